@@ -1,0 +1,48 @@
+"""agentspec: lossless speculative decoding for LLM agent loops.
+
+The public API is imported lazily: ``import agentspec`` loads neither torch, transformers, litellm nor
+langchain. Attributes resolve on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from agentspec.types import DraftProposal, RoundStats, SamplingParams, SparseDist, SpecStats, VerifyResult
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "SpecEngine": "agentspec.engine",
+    "GenerationResult": "agentspec.engine",
+    "load_model": "agentspec.models",
+    "LoadedModel": "agentspec.models",
+    "ModelLoadError": "agentspec.models",
+    "DraftContext": "agentspec.drafters.base",
+    "Drafter": "agentspec.drafters.base",
+    "make_drafter": "agentspec.drafters.base",
+    "NgramDrafter": "agentspec.drafters.ngram",
+    "ModelDrafter": "agentspec.drafters.model",
+}
+
+__all__ = [
+    "DraftContext", "DraftProposal", "Drafter", "GenerationResult", "LoadedModel", "ModelDrafter", "ModelLoadError",
+    "NgramDrafter", "RoundStats", "SamplingParams", "SparseDist", "SpecEngine", "SpecStats", "VerifyResult",
+    "load_model", "make_drafter",
+]
+
+if TYPE_CHECKING:
+    from agentspec.drafters.base import DraftContext, Drafter, make_drafter
+    from agentspec.drafters.model import ModelDrafter
+    from agentspec.drafters.ngram import NgramDrafter
+    from agentspec.engine import GenerationResult, SpecEngine
+    from agentspec.models import LoadedModel, ModelLoadError, load_model
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agentspec' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,1 @@
+"""Framework adapters (LangChain ``ChatAgentSpec``, litellm provider). Imported only on demand."""

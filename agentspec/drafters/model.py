@@ -1,0 +1,97 @@
+"""A small causal LM as drafter: shares the target's tokenizer, keeps its own KV cache.
+
+Each ``propose`` call first reconciles the drafter's cache with the committed tokens: it keeps the
+longest common prefix (draft tokens the target accepted stay cached), drops the rest, and feeds what is
+missing — at least the last committed token, the target's recovered/bonus token, which the drafter has
+never seen ("fill the last accepted token"). Then it drafts ``k`` tokens, one forward pass each.
+
+Greedy drafts take the argmax. Sampled drafts are drawn from the drafter's own processed distribution
+truncated to its top ``proposal_top_k`` tokens, and that truncated distribution is sent along as the
+draft's ``q`` — exactly the distribution the token came from, which lossless sampling requires.
+With ``tree_width > 1`` each depth also gets ``tree_width - 1`` sibling leaves (the next-best tokens
+when greedy, further independent samples when sampling): a wider tree at no extra drafter passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from agentspec import models
+from agentspec.drafters.base import DraftContext, register_drafter
+from agentspec.types import DraftProposal, SparseDist
+from agentspec.verify import sampling_probs
+
+
+@register_drafter("model")
+class ModelDrafter:
+    """Draft with a small causal LM (a :class:`~agentspec.models.LoadedModel` or a bare HF model)."""
+
+    name = "model"
+
+    def __init__(self, model: Any, tree_width: int = 1, proposal_top_k: int = 32) -> None:
+        if tree_width < 1:
+            raise ValueError(f"tree_width must be >= 1, got {tree_width}")
+        if proposal_top_k < 1:
+            raise ValueError(f"proposal_top_k must be >= 1, got {proposal_top_k}")
+        self.model = model.model if isinstance(model, models.LoadedModel) else model
+        self.tree_width, self.proposal_top_k = tree_width, proposal_top_k
+        self.reset()
+
+    def reset(self) -> None:
+        self._cache = models.new_cache(self.model)
+        self._cached: list[int] = []  # token ids whose keys/values are in self._cache
+
+    def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
+        if k <= 0 or not ctx.tokens:
+            return DraftProposal(source=self.name)
+        # 1. reconcile the cache with the committed tokens; always feed at least the last one
+        common = _common_prefix(self._cached, ctx.tokens)
+        common = min(common, len(ctx.tokens) - 1)
+        models.crop_cache(self._cache, common)
+        del self._cached[common:]
+        feed = ctx.tokens[common:]
+        # 2. draft k tokens along a chain, adding sibling leaves when tree_width > 1
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[SparseDist | None] = []
+        parent = -1
+        for _ in range(k):
+            logits = models.forward(self.model, feed, self._cache, num_logits=1)[-1]  # [vocab]
+            self._cached.extend(feed)
+            picked, dist = self._pick(logits, ctx)
+            node = len(tokens)
+            for tok in picked:
+                tokens.append(tok)
+                parents.append(parent)
+                probs.append(dist)
+            feed = [picked[0]]
+            parent = node
+        tree = self.tree_width > 1
+        return DraftProposal(
+            tokens=tuple(tokens),
+            parents=tuple(parents) if tree else None,
+            draft_probs=None if ctx.sampling.greedy else tuple(probs),
+            source=self.name,
+        )
+
+    def _pick(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[list[int], SparseDist | None]:
+        """The chain token first, then sibling leaves; and the proposal they were drawn from."""
+        if ctx.sampling.greedy:
+            return torch.topk(logits, self.tree_width).indices.tolist(), None
+        probs = sampling_probs(logits, ctx.sampling)
+        top = torch.topk(probs, min(self.proposal_top_k, probs.shape[-1]))
+        kept = top.values / top.values.sum()  # the truncated proposal actually sampled from
+        draws = torch.multinomial(kept.cpu(), self.tree_width, replacement=True, generator=ctx.generator)
+        ids = top.indices.cpu()
+        dist = SparseDist(tuple(ids.tolist()), tuple(kept.cpu().tolist()))
+        return [int(ids[d]) for d in draws], dist
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

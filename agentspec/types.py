@@ -1,0 +1,220 @@
+"""Plain data passed between agentspec's parts: sampling settings, drafts, verification results, statistics.
+
+Everything here is a small dataclass with no heavy imports, so the wire protocol, the client and the
+server can share it without pulling in torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target picks tokens. ``temperature == 0`` means greedy.
+
+    The same processing (temperature, top-k, top-p) defines the target distribution that speculative
+    sampling reproduces exactly.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """A distribution with small support: the drafter's top-k-truncated proposal (ids and their probs)."""
+
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ids) != len(self.probs) or not self.ids:
+            raise ValueError("SparseDist needs equally long, non-empty ids and probs")
+
+    @classmethod
+    def point(cls, token: int) -> SparseDist:
+        """The proposal of a deterministic drafter: all mass on one token."""
+        return cls((token,), (1.0,))
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """Draft tokens: a chain or a tree, in topological order.
+
+    ``parents[i]`` is the index of node i's parent, ``-1`` for a child of the last committed token.
+    ``parents is None`` means a linear chain. ``draft_probs[i]`` is the (sparse) distribution node i's
+    token was *really* sampled from; ``None`` (per node or for the whole draft) means the drafter was
+    deterministic (a point mass), which is what n-gram, grammar and greedy model drafts are.
+    """
+
+    tokens: tuple[int, ...] = ()
+    parents: tuple[int, ...] | None = None
+    draft_probs: tuple[SparseDist | None, ...] | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if self.parents is not None:
+            if len(self.parents) != n:
+                raise ValueError(f"parents has {len(self.parents)} entries for {n} draft tokens")
+            for i, p in enumerate(self.parents):
+                if not -1 <= p < i:
+                    raise ValueError(f"node {i} has parent {p}: parents must precede children (topological order)")
+        if self.draft_probs is not None and len(self.draft_probs) != n:
+            raise ValueError(f"draft_probs has {len(self.draft_probs)} entries for {n} draft tokens")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))
+
+    def parent_list(self) -> list[int]:
+        """Parent indices, also for a linear chain."""
+        return list(self.parents) if self.parents is not None else list(range(-1, len(self.tokens) - 1))
+
+    def depth(self) -> int:
+        """Length of the longest root-to-leaf path."""
+        depths: list[int] = []
+        for p in self.parent_list():
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return max(depths, default=0)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The outcome of one verification round.
+
+    ``accepted_nodes`` are draft node indices on the accepted root-to-node path, ``accepted_tokens`` their
+    tokens. ``next_token`` is the target's own token after them: *recovered* after a rejection, *bonus*
+    after the draft path was accepted to a leaf. It is ``None`` only when an accepted draft token was a
+    stop token (nothing may follow it).
+    """
+
+    accepted_nodes: tuple[int, ...]
+    accepted_tokens: tuple[int, ...]
+    next_token: int | None
+    bonus: bool
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_tokens)
+
+    @property
+    def output_tokens(self) -> tuple[int, ...]:
+        """Tokens this round commits: the accepted ones plus the recovered/bonus token."""
+        tail = () if self.next_token is None else (self.next_token,)
+        return self.accepted_tokens + tail
+
+
+@dataclass
+class RoundStats:
+    """What one speculative round did and cost."""
+
+    drafted: int
+    accepted: int
+    emitted: int
+    draft_s: float
+    verify_s: float
+    tree_nodes: int = 0
+    source: str = ""
+
+
+@dataclass
+class SpecStats:
+    """Aggregate statistics of a generation, built from its rounds."""
+
+    rounds: list[RoundStats] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)  # [pos] rounds whose draft was accepted past pos
+    drafted_at: list[int] = field(default_factory=list)  # [pos] rounds that drafted (a path reaching) pos
+
+    def add(self, r: RoundStats, path_len_drafted: int) -> None:
+        """Record a round; ``path_len_drafted`` is the depth of the draft along the path the target took."""
+        self.rounds.append(r)
+        need = max(path_len_drafted, r.accepted)
+        for lst in (self.accepted_at, self.drafted_at):
+            lst.extend([0] * (need - len(lst)))
+        for pos in range(path_len_drafted):
+            self.drafted_at[pos] += 1
+        for pos in range(r.accepted):
+            self.accepted_at[pos] += 1
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def drafted(self) -> int:
+        return sum(r.drafted for r in self.rounds)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.rounds)
+
+    @property
+    def emitted(self) -> int:
+        return sum(r.emitted for r in self.rounds)
+
+    @property
+    def draft_s(self) -> float:
+        return sum(r.draft_s for r in self.rounds)
+
+    @property
+    def verify_s(self) -> float:
+        return sum(r.verify_s for r in self.rounds)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target pass, counting the recovered/bonus token (vLLM's convention)."""
+        return self.emitted / self.num_rounds if self.rounds else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """P(draft token at position i accepted | a draft reached position i along the target's path)."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance, the maximum-likelihood α of a geometric acceptance model.
+
+        Each drafted position on the target's path is a trial; trials stop at the first rejection.
+        """
+        trials = sum(self.drafted_at)
+        return sum(self.accepted_at) / trials if trials else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.num_rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "emitted": self.emitted,
+            "mean_accepted_length": self.mean_accepted_length,
+            "alpha": self.alpha,
+            "per_position_acceptance": self.per_position_acceptance,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+        }

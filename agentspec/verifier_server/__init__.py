@@ -1,0 +1,1 @@
+"""The ``agentspec-verifier`` server (sessions, batched verification, OpenAI-compatible endpoint)."""

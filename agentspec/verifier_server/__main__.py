@@ -1,0 +1,3 @@
+from agentspec.verifier_server.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""Greedy speculative output == plain greedy output (transformers' generate), token for token.
+
+Drafters: always right (the target itself), almost always wrong (other random weights), scripted
+right up to position j, scripted trees with the right branch at several depths and sibling positions,
+the n-gram drafter (chain and tree) and the model drafter (chain and tree).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from agentspec.drafters import ModelDrafter, NgramDrafter
+from agentspec.drafters.base import DraftContext
+from agentspec.engine import SpecEngine
+from agentspec.types import DraftProposal, SamplingParams
+from tests.helpers import make_prompt, plain_greedy
+
+MAX_NEW = 48
+PROMPTS = [make_prompt(s) for s in range(3)]
+
+
+class ScriptedDrafter:
+    """Knows the reference output; drafts it correctly up to position ``j`` of each round, then wrong.
+
+    With ``width > 1`` it drafts a tree: at every depth ``width`` siblings, the correct token (when the
+    script says it is right there) at sibling position ``right_sibling``; the chain continues from it.
+    """
+
+    name = "scripted"
+
+    def __init__(self, reference: list[int], j: int, width: int = 1, right_sibling: int = 0) -> None:
+        self.reference, self.j, self.width, self.right_sibling = reference, j, width, right_sibling
+        self.prompt_len = 0
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
+        done = len(ctx.tokens) - ctx.num_prompt_tokens
+        truth = self.reference[done : done + k]
+        tokens, parents = [], []
+        parent = -1
+        for depth, right in enumerate(truth):
+            wrong = [(right + 7 + 13 * s) % 90 + 2 for s in range(self.width)]
+            siblings = [w if w != right else (w + 1) % 90 + 2 for w in wrong]
+            if depth < self.j:
+                siblings[self.right_sibling % self.width] = right
+            chain_slot = self.right_sibling % self.width
+            for s, tok in enumerate(siblings):
+                tokens.append(tok)
+                parents.append(parent)
+                if s == chain_slot:
+                    chain_node = len(tokens) - 1
+            parent = chain_node
+        return DraftProposal(tokens=tuple(tokens), parents=tuple(parents) if self.width > 1 else None)
+
+
+def run(target, drafter, prompt, k=4, max_new=MAX_NEW):
+    engine = SpecEngine(target, drafter, num_draft_tokens=k)
+    return engine.generate(prompt, SamplingParams(max_new_tokens=max_new))
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    return [plain_greedy(target, p, MAX_NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_no_drafter_equals_plain(target, references, i):
+    assert run(target, None, PROMPTS[i]).tokens == references[i]
+
+
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_always_right_drafter(target, references, i):
+    result = run(target, ModelDrafter(target), PROMPTS[i], k=5)
+    assert result.tokens == references[i]
+    assert result.stats.alpha == 1.0  # the target drafting for itself is never rejected
+
+
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_always_wrong_drafter(target, wrong_drafter_model, references, i):
+    result = run(target, ModelDrafter(wrong_drafter_model), PROMPTS[i])
+    assert result.tokens == references[i]
+    assert result.stats.alpha < 0.5
+
+
+@pytest.mark.parametrize("j", [0, 1, 2, 3, 5])
+def test_scripted_right_up_to_j(target, references, j):
+    result = run(target, ScriptedDrafter(references[0], j), PROMPTS[0], k=5)
+    assert result.tokens == references[0]
+    if j < 5:  # every full round accepts exactly j tokens
+        assert all(r.accepted == min(j, r.drafted) for r in result.stats.rounds if r.drafted)
+
+
+@pytest.mark.parametrize("j", [0, 1, 3, 4])
+@pytest.mark.parametrize("right_sibling", [0, 1, 2])
+def test_scripted_tree_right_branch_anywhere(target, references, j, right_sibling):
+    drafter = ScriptedDrafter(references[1], j, width=3, right_sibling=right_sibling)
+    result = run(target, drafter, PROMPTS[1], k=4)
+    assert result.tokens == references[1]
+    assert all(r.accepted == min(j, r.drafted // 3) for r in result.stats.rounds if r.drafted)
+
+
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+@pytest.mark.parametrize("candidates", [1, 3])
+def test_ngram_drafter(target, references, i, candidates):
+    result = run(target, NgramDrafter(max_ngram=3, max_candidates=candidates), PROMPTS[i], k=6)
+    assert result.tokens == references[i]
+
+
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_model_drafter_tree(target, wrong_drafter_model, references, i):
+    for drafter in (ModelDrafter(target, tree_width=3), ModelDrafter(wrong_drafter_model, tree_width=3)):
+        assert run(target, drafter, PROMPTS[i], k=3).tokens == references[i]
+
+
+def test_model_drafter_reused_across_requests(target, references):
+    """One drafter instance, several generations: its cache must follow each new context."""
+    drafter = ModelDrafter(target)
+    for i in (0, 1, 0, 2):
+        assert run(target, drafter, PROMPTS[i]).tokens == references[i]
+
+
+@pytest.mark.parametrize("drafter_kind", ["none", "self", "ngram"])
+def test_stops_at_stop_token_like_plain(target, references, drafter_kind):
+    """A stop token in mid-output (inside drafts that run past it) ends generation exactly as plain does."""
+    stop = references[0][25]  # the random tiny model never emits </s>; use a token it does emit
+    reference = plain_greedy(target, PROMPTS[0], MAX_NEW, eos=stop)
+    assert reference[-1] == stop and len(reference) <= 26
+    drafter = {"none": None, "self": ModelDrafter(target), "ngram": NgramDrafter()}[drafter_kind]
+    engine = SpecEngine(target, drafter, num_draft_tokens=6, stop_token_ids=[stop])
+    result = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=MAX_NEW))
+    assert result.tokens == reference
+    assert result.finish_reason == "stop"
+
+
+def test_max_new_tokens_exact(target, references):
+    for max_new in (1, 2, 7):
+        result = run(target, ModelDrafter(target), PROMPTS[0], k=5, max_new=max_new)
+        assert result.tokens == references[0][:max_new]
+        assert result.finish_reason == "length"
+
+
+def test_stop_string(target, references):
+    text = target.tokenizer.decode(references[2])
+    stop = text[10:12]
+    engine = SpecEngine(target, ModelDrafter(target), num_draft_tokens=5)
+    result = engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=MAX_NEW, stop=(stop,)))
+    assert result.finish_reason == "stop"
+    assert result.text.endswith(stop) and stop not in result.text[:-len(stop)]
+    assert result.tokens == references[2][: len(result.tokens)]

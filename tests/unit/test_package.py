@@ -1,0 +1,29 @@
+"""Packaging promises: a light ``import agentspec`` and working console entry points."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_import_is_light():
+    code = (
+        "import sys, agentspec; agentspec.SamplingParams(); "
+        "heavy = [m for m in ('torch', 'transformers', 'litellm', 'langchain_core', 'langgraph') if m in sys.modules]; "
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_lazy_attributes_resolve():
+    import agentspec
+
+    assert agentspec.SpecEngine.__name__ == "SpecEngine"
+    assert agentspec.NgramDrafter.name == "ngram"
+
+
+def test_cli_help():
+    for module in ("agentspec.cli", "agentspec.verifier_server"):
+        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
+        assert out.returncode == 0 and "usage" in out.stdout
