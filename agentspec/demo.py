@@ -38,9 +38,9 @@ STEPS = [
 @dataclass(frozen=True)
 class DemoConfig:
     model: str = "qwen2.5-coder-0.5b-instruct"
-    dtype: str = "bfloat16"
+    dtype: str = "float32"
     device: str = "auto"
-    num_draft_tokens: int = 6
+    num_draft_tokens: int = 8
     max_new_tokens: int = 96
 
 

@@ -115,8 +115,10 @@ class SpecEngine:
         while True:
             remaining = params.max_new_tokens - len(seq.generated)
             k = min(k_max, remaining - 1) if self.drafter is not None else 0
-            new, round_stats = self._round(seq, ctx, k, params, generator)
+            new, round_stats, path_depth = self._round(seq, ctx, k, params, generator)
             new, finish = self._check_stop(seq, new, params)
+            round_stats.emitted = len(new)  # after truncation at a stop: what the caller really gets
+            seq.stats.add(round_stats, path_depth)
             yield RoundEvent(new, round_stats, finish)
             if finish:
                 return
@@ -125,7 +127,7 @@ class SpecEngine:
 
     def _round(
         self, seq: _Sequence, ctx: DraftContext, k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[list[int], RoundStats]:
+    ) -> tuple[list[int], RoundStats, int]:
         t0 = time.perf_counter()
         # 1. draft
         proposal = self.drafter.propose(ctx, k) if k > 0 and self.drafter is not None else DraftProposal()
@@ -151,8 +153,7 @@ class SpecEngine:
             drafted=n, accepted=result.num_accepted, emitted=len(new), draft_s=t1 - t0, verify_s=t2 - t1,
             tree_nodes=n if proposal.is_tree else 0, source=proposal.source,
         )
-        seq.stats.add(stats, _path_depth(parents, result))
-        return new, stats
+        return new, stats, _path_depth(parents, result)
 
     def _verify(
         self,

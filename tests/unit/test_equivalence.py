@@ -149,3 +149,4 @@ def test_stop_string(target, references):
     assert result.finish_reason == "stop"
     assert result.text.endswith(stop) and stop not in result.text[:-len(stop)]
     assert result.tokens == references[2][: len(result.tokens)]
+    assert result.stats.emitted == len(result.tokens)  # statistics count only what was returned

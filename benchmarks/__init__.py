@@ -1,0 +1,1 @@
+"""Reproducible performance scripts (run as modules: ``python -m benchmarks.speedup``)."""

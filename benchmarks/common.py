@@ -1,0 +1,447 @@
+"""Helpers the benchmarks share: BFCL prompts, HF ``generate`` glue, timing primitives, the closed form.
+
+Flow of a benchmark built on these:
+
+1. :func:`bfcl_prompts` picks a fixed, deterministic set of BFCL v4 tool-calling questions (from the
+   data files shipped inside the ``bfcl_eval`` wheel) and :func:`render` turns one into token ids with the
+   target's chat template (tools passed as ``tools=``, or as JSON in a system message when the template
+   ignores them);
+2. :func:`pretouch` and a warm-up generation fault in fresh memory before anything is timed;
+3. :func:`prefill_seconds`, :func:`verify_cost_curve` and :class:`ForwardCounter` measure what the
+   closed-form model needs; :func:`top2_margin` and :func:`bf16_ulp` judge bf16 divergences;
+4. :func:`predicted_speedup` evaluates design.md's arithmetic on the measured α and costs.
+
+Nothing here downloads anything: models come from :func:`agentspec.models.load_model`'s offline aliases.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentspec import models
+from agentspec.types import SpecStats
+
+TARGETS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
+BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "live_simple")
+WARMUP_PROMPT = ("simple_python", 1)  # never picked by bfcl_prompts while a category gives <= half its file
+
+# BFCL writes Python/Java type names; chat templates and JSON Schema expect these (as BFCL's own
+# OpenAI handler maps them). Only string values of a "type" key are touched, never property names.
+_SCHEMA_TYPES = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "bool": "boolean",
+                 "any": "string"}
+
+
+def log(*parts: Any) -> None:
+    """Progress line on stdout, flushed so a long run can be followed (``tee``, ``tail -f``)."""
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+# ---- BFCL prompts ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One BFCL question: chat messages plus tools in OpenAI format."""
+
+    id: str
+    category: str
+    messages: tuple[dict, ...]
+    tools: tuple[dict, ...]
+
+
+def bfcl_data_dir() -> Path:
+    """The data directory inside the installed ``bfcl_eval`` wheel (``pip install --no-deps bfcl-eval``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("bfcl_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("BFCL data needs `pip install --no-deps bfcl-eval==2026.3.23`")
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+def load_bfcl(category: str) -> list[dict]:
+    """All records of one category (a JSON-lines file ``BFCL_v4_<category>.json``)."""
+    path = bfcl_data_dir() / f"BFCL_v4_{category}.json"
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def normalise_schema(obj: Any) -> Any:
+    """Copy of a BFCL schema with ``"type": "dict"`` → ``"object"`` (and float/tuple/…), recursively."""
+    if isinstance(obj, dict):
+        return {k: (_SCHEMA_TYPES.get(v, v) if k == "type" and isinstance(v, str) else normalise_schema(v))
+                for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [normalise_schema(v) for v in obj]
+    return obj
+
+
+def to_openai_tools(functions: Iterable[dict]) -> tuple[dict, ...]:
+    """BFCL function docs → ``[{"type": "function", "function": {...}}]`` with normalised schemas."""
+    return tuple({"type": "function", "function": normalise_schema(f)} for f in functions)
+
+
+def prompt_from_record(record: dict, category: str) -> Prompt:
+    """A single-turn BFCL record as a :class:`Prompt` (the turns' messages are concatenated)."""
+    messages = tuple(dict(m) for turn in record["question"] for m in turn)
+    return Prompt(record["id"], category, messages, to_openai_tools(record["function"]))
+
+
+def spread_indices(total: int, count: int) -> list[int]:
+    """``count`` indices spread evenly over ``range(total)``, starting at 0 (deterministic)."""
+    count = min(count, total)
+    return [(i * total) // count for i in range(count)]
+
+
+def bfcl_prompts(n: int, categories: Sequence[str] = BFCL_CATEGORIES) -> list[Prompt]:
+    """``n`` prompts split as evenly as possible over ``categories``, spread evenly within each file.
+
+    Categories earlier in the list get the remainder. The order is category-major.
+    """
+    prompts: list[Prompt] = []
+    for c, category in enumerate(categories):
+        share = n // len(categories) + (1 if c < n % len(categories) else 0)
+        records = load_bfcl(category)
+        prompts.extend(prompt_from_record(records[i], category) for i in spread_indices(len(records), share))
+    return prompts
+
+
+def warmup_prompt(exclude: Iterable[Prompt] = ()) -> Prompt:
+    """A short prompt outside the measured set (``exclude``), for untimed warm-up generations."""
+    category, index = WARMUP_PROMPT
+    prompt = prompt_from_record(load_bfcl(category)[index], category)
+    if any(p.id == prompt.id for p in exclude):
+        raise ValueError(f"warm-up prompt {prompt.id} is in the measured set; ask for fewer prompts")
+    return prompt
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_xyz", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def supports_tools(tokenizer: Any) -> bool:
+    """Whether the chat template renders ``tools=`` at all (SmolLM2's silently ignores them)."""
+    probe = [{"role": "user", "content": "hi"}]
+    with_tools = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], add_generation_prompt=True,
+                                               tokenize=False)
+    return "probe_tool_xyz" in with_tools
+
+
+def tools_system_text(tools: Sequence[dict]) -> str:
+    """The tools as JSON in plain text, for templates without tool support (Qwen2.5's wording)."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("You may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n"
+            "</tools>\n\nFor each function call, return a json object with function name and arguments "
+            'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+            '"arguments": <args-json-object>}\n</tool_call>')
+
+
+def render(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids of the prompt with the generation prompt appended, special tokens added exactly once.
+
+    The template already writes every special token, so the text is encoded with
+    ``add_special_tokens=False`` (a second BOS would otherwise be prepended by some tokenizers).
+    """
+    messages = [dict(m) for m in prompt.messages]
+    if supports_tools(tokenizer):
+        text = tokenizer.apply_chat_template(messages, tools=list(prompt.tools), add_generation_prompt=True,
+                                             tokenize=False)
+    else:
+        block = tools_system_text(prompt.tools)
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{block}"
+        else:
+            messages.insert(0, {"role": "system", "content": block})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = tokenizer.bos_token_id
+    if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
+        raise AssertionError(f"prompt {prompt.id} starts with two BOS tokens")
+    return ids
+
+
+# ---- HF generate glue ------------------------------------------------------------------------------
+
+
+def hf_generation_config(target: models.LoadedModel, max_new_tokens: int, **extra: Any) -> Any:
+    """Greedy config stopping on exactly the engine's stop ids (``LoadedModel.eos_token_ids``)."""
+    from transformers import GenerationConfig
+
+    eos = list(target.eos_token_ids)
+    pad = target.tokenizer.pad_token_id
+    return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                            pad_token_id=eos[0] if pad is None else pad, **extra)
+
+
+class FirstTokenTimer:
+    """A transformers streamer that notes when the first generated tokens arrive, and how many.
+
+    ``generate`` puts the prompt first, then the tokens of each step (several per step under prompt
+    lookup), so the second ``put`` marks the end of the call's own prefill step.
+    """
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.calls = 0
+        self.first_s: float | None = None
+        self.first_tokens = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first_s = time.perf_counter() - self.start
+            self.first_tokens = int(value.numel())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def hf_generate(target: models.LoadedModel, prompt_ids: Sequence[int], config: Any,
+                streamer: FirstTokenTimer | None = None) -> list[int]:
+    """``model.generate`` on one prompt; returns the new token ids only."""
+    ids = torch.tensor([list(prompt_ids)], device=target.device)
+    out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                streamer=streamer)
+    return out[0, ids.shape[1]:].tolist()
+
+
+# ---- timing primitives -----------------------------------------------------------------------------
+
+
+class ForwardCounter:
+    """Counts forward calls of a module (a pre-hook), e.g. target passes per generation."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.count = 0
+        self._handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_: Any) -> None:
+        self.count += 1
+
+    def take(self) -> int:
+        """The count since the last ``take``; resets it."""
+        n, self.count = self.count, 0
+        return n
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``(fn(), wall seconds)``."""
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def prefill_seconds(model: Any, prompt_ids: Sequence[int]) -> float:
+    """Wall time of one forward over the prompt alone, into a fresh cache (last logit row only)."""
+    cache = models.new_cache(model)
+    return timed(lambda: models.forward(model, list(prompt_ids), cache, num_logits=1))[1]
+
+
+def verify_cost_curve(model: Any, prompt_ids: Sequence[int], max_tokens: int, reps: int) -> dict[int, float]:
+    """Median seconds of one forward over ``k`` new tokens (k = 1 … max_tokens) on a cached prompt.
+
+    ``k`` counts every token in the pass, as the engine sends them: a round with γ draft tokens is a pass
+    over k = γ + 1 tokens (the last committed token plus the draft), all of whose logits are kept. The
+    cache is cropped back to the prompt after every pass; sizes are interleaved within each repetition so
+    drift hits them alike.
+    """
+    cache = models.new_cache(model)
+    models.forward(model, list(prompt_ids), cache, num_logits=1)
+    base = models.cache_length(cache)
+    filler = (list(prompt_ids) * (max_tokens // max(len(prompt_ids), 1) + 1))[:max_tokens]
+    samples: dict[int, list[float]] = {k: [] for k in range(1, max_tokens + 1)}
+    for rep in range(reps + 1):  # repetition 0 is a warm-up, not recorded
+        for k in samples:
+            seconds = timed(lambda k=k: models.forward(model, filler[:k], cache, num_logits=k))[1]
+            models.crop_cache(cache, base)
+            if rep:
+                samples[k].append(seconds)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+@torch.inference_mode()
+def pretouch(model: Any, length: int) -> None:
+    """Fault in weights and activation buffers: read every parameter, then one forward of ``length``."""
+    for p in model.parameters():
+        float(p.detach().float().abs().sum())
+    cache = models.new_cache(model)
+    models.forward(model, [0] * length, cache, num_logits=1)
+
+
+def logits_at(model: Any, ids: Sequence[int]) -> torch.Tensor:
+    """The target's next-token logits after ``ids`` (one fresh forward, in the model's dtype) as float32."""
+    return models.forward(model, list(ids), models.new_cache(model), num_logits=1)[-1].float()
+
+
+@torch.inference_mode()
+def logit_path_noise(model: Any, prompt_ids: Sequence[int], generated: Sequence[int], chunk: int) -> dict:
+    """How far the same position's logits move when only the computation path changes.
+
+    The logits predicting each of ``generated`` are computed three ways: (a) one forward over the whole
+    sequence, (b) prompt prefill then one token per forward (plain decoding), (c) prompt prefill then
+    ``chunk`` tokens per forward (a verify pass). All three are the target's exact greedy computation;
+    in bf16 they round differently. Returns the largest and the median absolute difference, over
+    positions and path pairs, of the logits of path (a)'s top-2 tokens.
+    """
+    prompt, gen = list(prompt_ids), list(generated)
+    if not gen:
+        return {"max_abs": float("nan"), "median_abs": float("nan"), "positions": 0}
+    full = models.forward(model, prompt + gen, models.new_cache(model), num_logits=len(gen) + 1)[:-1].float()
+    paths = [full]
+    for step in (1, chunk):
+        cache = models.new_cache(model)
+        rows = [models.forward(model, prompt, cache, num_logits=1)]
+        for i in range(0, len(gen) - 1, step):
+            piece = gen[i:i + step][: len(gen) - 1 - i]
+            rows.append(models.forward(model, piece, cache, num_logits=len(piece)))
+        paths.append(torch.cat(rows).float())  # [len(gen), vocab]
+    top2 = torch.topk(full, 2, dim=-1).indices  # [len(gen), 2]
+    picked = [p.gather(-1, top2) for p in paths]
+    diffs = torch.cat([(picked[i] - picked[j]).abs().flatten() for i in range(3) for j in range(i + 1, 3)])
+    return {"max_abs": float(diffs.max()), "median_abs": float(diffs.median()), "positions": len(gen),
+            "chunk": chunk}
+
+
+def top2_margin(logits: torch.Tensor) -> tuple[int, float, int, float]:
+    """``(top1 id, top1 logit, top2 id, top2 logit)`` of one logit row."""
+    values, ids = torch.topk(logits, 2)
+    return int(ids[0]), float(values[0]), int(ids[1]), float(values[1])
+
+
+def bf16_ulp(x: float) -> float:
+    """Spacing of bfloat16 numbers at magnitude ``|x|`` (8 significant bits: ``2**(exponent - 7)``)."""
+    x = abs(x)
+    if x < 2.0**-126:
+        return 2.0**-133
+    return 2.0 ** (math.floor(math.log2(x)) - 7)
+
+
+def check_divergence(target: models.LoadedModel, prompt_id: str, ids: list[int], plain: list[int],
+                     other: list[int], tie_ulps: float, noise: float) -> dict | None:
+    """``None`` if ``other == plain``; else the first differing position and the target's margin there.
+
+    The margin comes from one fresh forward over prompt + common prefix in the run's dtype. A bf16
+    divergence is a tie when both chosen tokens' logits lie within ``threshold`` of the top logit (for
+    the top-2 tokens: margin <= threshold), threshold = max(tie_ulps · bf16 ulp, 2 · noise), ``noise``
+    being the largest logit difference measured between computation paths (each of two logits can move
+    by it, so their order can flip within twice it). In fp32 every divergence is a failure.
+    """
+    if other == plain:
+        return None
+    differ = (i for i, (a, b) in enumerate(zip(plain, other, strict=False)) if a != b)
+    pos = next(differ, min(len(plain), len(other)))
+    logits = logits_at(target.model, ids + plain[:pos])
+    top1, top1_logit, top2, top2_logit = top2_margin(logits)
+    margin = top1_logit - top2_logit
+    ulp = bf16_ulp(top1_logit)
+    chosen = plain[pos:pos + 1] + other[pos:pos + 1]
+    worst = max((top1_logit - float(logits[t]) for t in chosen), default=float("inf"))
+    if len(chosen) < 2:  # one output is a strict prefix of the other: never a rounding tie
+        worst = float("inf")
+    threshold = max(tie_ulps * ulp, 2.0 * noise)
+    tie = target.dtype == torch.bfloat16 and worst <= threshold
+    decode = target.tokenizer.decode
+    return {
+        "prompt_id": prompt_id, "position": pos,
+        "plain_token": plain[pos] if pos < len(plain) else None,
+        "method_token": other[pos] if pos < len(other) else None,
+        "plain_text": decode(plain[pos:pos + 1]), "method_text": decode(other[pos:pos + 1]),
+        "top1": top1, "top2": top2, "top1_logit": top1_logit, "margin": margin, "worst_gap": worst,
+        "bf16_ulp": ulp, "margin_ulps": margin / ulp, "tie_threshold": threshold, "tie": tie,
+        "verdict": "tie" if tie else "FAILURE",
+    }
+
+
+# ---- the closed form (design.md, "Arithmetic the router uses") --------------------------------------
+
+
+def expected_accepted(alpha: float, gamma: int) -> float:
+    """E[A] = (1 − α^(γ+1)) / (1 − α): tokens per round, counting the recovered/bonus token."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(gammas: Iterable[int], alpha: float, t_ar: float, t_d: float,
+                      cost_ratio: Callable[[int], float]) -> float:
+    """Predicted speed-up over plain decoding for rounds with draft lengths ``gammas``.
+
+    time = Σ_r (γ_r·t_d + c(γ_r + 1)), tokens = Σ_r E[A](α, γ_r), speed-up = tokens·t_ar / time, where
+    ``c(k) = t_ar · cost_ratio(k)``: one pass over k tokens costs the plain per-token time scaled by the
+    measured verify-cost curve ``t_v(k)/t_v(1)``.
+    """
+    gammas = list(gammas)
+    if not gammas:
+        return float("nan")
+    seconds = sum(g * t_d + t_ar * cost_ratio(g + 1) for g in gammas)
+    tokens = sum(expected_accepted(alpha, g) for g in gammas)
+    return tokens * t_ar / seconds
+
+
+def pooled_stats(stats: Iterable[SpecStats]) -> dict[str, Any]:
+    """Statistics of many generations pooled as if one (sums of counts and times, then ratios)."""
+    rounds, accepted_at, drafted_at = [], [], []
+    for s in stats:
+        rounds.extend(s.rounds)
+        for mine, theirs in ((accepted_at, s.accepted_at), (drafted_at, s.drafted_at)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+    pooled = SpecStats(rounds=rounds, accepted_at=accepted_at, drafted_at=drafted_at)
+    out = pooled.to_dict()
+    out["gammas"] = [r.drafted for r in rounds]
+    out["t_d"] = pooled.draft_s / pooled.drafted if pooled.drafted else 0.0
+    return out
+
+
+# ---- provenance ------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: CPU, threads, memory, library versions, date, commit."""
+    import transformers
+
+    cpu, flags = platform.processor(), []
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), cpu)
+        have = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+        flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in have]
+    except OSError:
+        pass
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gib = None
+    try:
+        git = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
+                             timeout=10, cwd=Path(__file__).parent)
+        commit = git.stdout.strip() if git.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(), "python": platform.python_version(), "cpu": cpu, "cpu_flags": flags,
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "memory_gib": round(mem_gib, 1) if mem_gib else None, "torch": torch.__version__,
+        "transformers": transformers.__version__, "git_commit": commit,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
