@@ -23,6 +23,7 @@ import torch
 
 from agentspec import models
 from agentspec.drafters.base import DraftContext, Drafter
+from agentspec.router import DraftLengthPolicy
 from agentspec.types import DraftProposal, RoundStats, SamplingParams, SpecStats, VerifyResult
 from agentspec.verify import sampling_probs, tree_attention, verify_greedy, verify_sampled
 
@@ -69,14 +70,30 @@ class SpecEngine:
         drafter: Drafter | None = None,
         num_draft_tokens: int = 4,
         stop_token_ids: Sequence[int] | None = None,
+        draft_policy: DraftLengthPolicy | None = None,
     ) -> None:
+        """``num_draft_tokens`` is the most drafted per round; with a ``draft_policy`` the policy picks
+        γ ≤ that each round from measured acceptance and verify costs (see :meth:`calibrate`), otherwise
+        every round drafts the full amount."""
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         self.target = target
         self.model = target.model
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
+        self.draft_policy = draft_policy
         self.stop_token_ids = frozenset(target.eos_token_ids if stop_token_ids is None else stop_token_ids)
+
+    def calibrate(self, prompt_ids: Sequence[int], reps: int = 3, **policy_kwargs: Any) -> dict[int, float]:
+        """Measure the verify-cost curve t_v(γ) on ``prompt_ids`` and install an adaptive draft policy.
+
+        Returns the curve, keyed by tokens per pass (γ + 1). The policy keeps refining it online.
+        """
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        curve = models.measure_verify_cost(self.model, prompt_ids, self.num_draft_tokens + 1, reps)
+        self.draft_policy = DraftLengthPolicy.from_calibration(curve, **policy_kwargs)
+        return curve
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, **kwargs: Any) -> GenerationResult:
         """Run :meth:`stream` to the end and collect its tokens."""
@@ -115,7 +132,14 @@ class SpecEngine:
         while True:
             remaining = params.max_new_tokens - len(seq.generated)
             k = min(k_max, remaining - 1) if self.drafter is not None else 0
+            policy = self.draft_policy if k > 0 else None
+            if policy is not None:
+                k = policy.choose(k)
+            decode_pass = seq.num_cached == len(seq.tokens) - 1  # not the prompt's prefill
             new, round_stats, path_depth = self._round(seq, ctx, k, params, generator)
+            if policy is not None:
+                policy.observe(round_stats.drafted, path_depth, round_stats.accepted,
+                               round_stats.verify_s if decode_pass else None, round_stats.draft_s)
             new, finish = self._check_stop(seq, new, params)
             round_stats.emitted = len(new)  # after truncation at a stop: what the caller really gets
             seq.stats.add(round_stats, path_depth)

@@ -20,6 +20,9 @@ import importlib.util
 import inspect
 import logging
 import os
+import statistics
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,3 +298,31 @@ def forward(
         logits_to_keep=num_logits,
     )
     return out.logits[0]  # [num_logits, vocab]
+
+
+def measure_verify_cost(model: Any, prompt_ids: Sequence[int], max_tokens: int, reps: int) -> dict[int, float]:
+    """Median seconds of one forward over ``k`` new tokens (k = 1 … max_tokens) on a cached prompt.
+
+    ``k`` counts every token in the pass, as the engine sends them: a round with γ draft tokens is a pass
+    over k = γ + 1 tokens (the last committed token plus the draft), all of whose logits are kept. The
+    cache is cropped back to the prompt after every pass; sizes are interleaved within each repetition so
+    drift hits them alike.
+    """
+    cache = new_cache(model)
+    forward(model, list(prompt_ids), cache, num_logits=1)
+    base = cache_length(cache)
+    filler = (list(prompt_ids) * (max_tokens // max(len(prompt_ids), 1) + 1))[:max_tokens]
+    samples: dict[int, list[float]] = {k: [] for k in range(1, max_tokens + 1)}
+    for rep in range(reps + 1):  # repetition 0 is a warm-up, not recorded
+        for k in samples:
+            seconds = _timed_forward(model, filler[:k], cache, k)
+            crop_cache(cache, base)
+            if rep:
+                samples[k].append(seconds)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _timed_forward(model: Any, ids: list[int], cache: Any, num_logits: int) -> float:
+    t0 = time.perf_counter()
+    forward(model, ids, cache, num_logits)
+    return time.perf_counter() - t0

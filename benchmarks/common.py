@@ -9,7 +9,7 @@ Flow of a benchmark built on these:
 2. :func:`pretouch` and a warm-up generation fault in fresh memory before anything is timed;
 3. :func:`prefill_seconds`, :func:`verify_cost_curve` and :class:`ForwardCounter` measure what the
    closed-form model needs; :func:`top2_margin` and :func:`bf16_ulp` judge bf16 divergences;
-4. :func:`predicted_speedup` evaluates design.md's arithmetic on the measured α and costs.
+4. :func:`agentspec.router.predicted_speedup` evaluates design.md's arithmetic on the measured α and costs.
 
 Nothing here downloads anything: models come from :func:`agentspec.models.load_model`'s offline aliases.
 """
@@ -21,7 +21,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -256,25 +255,8 @@ def prefill_seconds(model: Any, prompt_ids: Sequence[int]) -> float:
 
 
 def verify_cost_curve(model: Any, prompt_ids: Sequence[int], max_tokens: int, reps: int) -> dict[int, float]:
-    """Median seconds of one forward over ``k`` new tokens (k = 1 … max_tokens) on a cached prompt.
-
-    ``k`` counts every token in the pass, as the engine sends them: a round with γ draft tokens is a pass
-    over k = γ + 1 tokens (the last committed token plus the draft), all of whose logits are kept. The
-    cache is cropped back to the prompt after every pass; sizes are interleaved within each repetition so
-    drift hits them alike.
-    """
-    cache = models.new_cache(model)
-    models.forward(model, list(prompt_ids), cache, num_logits=1)
-    base = models.cache_length(cache)
-    filler = (list(prompt_ids) * (max_tokens // max(len(prompt_ids), 1) + 1))[:max_tokens]
-    samples: dict[int, list[float]] = {k: [] for k in range(1, max_tokens + 1)}
-    for rep in range(reps + 1):  # repetition 0 is a warm-up, not recorded
-        for k in samples:
-            seconds = timed(lambda k=k: models.forward(model, filler[:k], cache, num_logits=k))[1]
-            models.crop_cache(cache, base)
-            if rep:
-                samples[k].append(seconds)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    """See :func:`agentspec.models.measure_verify_cost`."""
+    return models.measure_verify_cost(model, prompt_ids, max_tokens, reps)
 
 
 @torch.inference_mode()
@@ -368,32 +350,6 @@ def check_divergence(target: models.LoadedModel, prompt_id: str, ids: list[int],
         "bf16_ulp": ulp, "margin_ulps": margin / ulp, "tie_threshold": threshold, "tie": tie,
         "verdict": "tie" if tie else "FAILURE",
     }
-
-
-# ---- the closed form (design.md, "Arithmetic the router uses") --------------------------------------
-
-
-def expected_accepted(alpha: float, gamma: int) -> float:
-    """E[A] = (1 − α^(γ+1)) / (1 − α): tokens per round, counting the recovered/bonus token."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def predicted_speedup(gammas: Iterable[int], alpha: float, t_ar: float, t_d: float,
-                      cost_ratio: Callable[[int], float]) -> float:
-    """Predicted speed-up over plain decoding for rounds with draft lengths ``gammas``.
-
-    time = Σ_r (γ_r·t_d + c(γ_r + 1)), tokens = Σ_r E[A](α, γ_r), speed-up = tokens·t_ar / time, where
-    ``c(k) = t_ar · cost_ratio(k)``: one pass over k tokens costs the plain per-token time scaled by the
-    measured verify-cost curve ``t_v(k)/t_v(1)``.
-    """
-    gammas = list(gammas)
-    if not gammas:
-        return float("nan")
-    seconds = sum(g * t_d + t_ar * cost_ratio(g + 1) for g in gammas)
-    tokens = sum(expected_accepted(alpha, g) for g in gammas)
-    return tokens * t_ar / seconds
 
 
 def pooled_stats(stats: Iterable[SpecStats]) -> dict[str, Any]:

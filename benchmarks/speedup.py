@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from agentspec import models
+from agentspec import models, router
 from agentspec.drafters import ModelDrafter, NgramDrafter
 from agentspec.engine import SpecEngine
 from agentspec.types import SamplingParams, SpecStats
@@ -44,8 +44,8 @@ from benchmarks import common
 from benchmarks.common import log
 from benchmarks.speedup_report import write_markdown
 
-METHODS = ("plain", "prompt_lookup", "agentspec_plain", "agentspec_ngram", "agentspec_model")
-AGENTSPEC_METHODS = ("agentspec_plain", "agentspec_ngram", "agentspec_model")
+METHODS = ("plain", "prompt_lookup", "agentspec_plain", "agentspec_ngram", "agentspec_ngram_fixed", "agentspec_model")
+AGENTSPEC_METHODS = ("agentspec_plain", "agentspec_ngram", "agentspec_ngram_fixed", "agentspec_model")
 
 
 @dataclass
@@ -127,9 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_methods(target: models.LoadedModel, drafter: models.LoadedModel, args: argparse.Namespace
-                 ) -> dict[str, Method]:
-    """The five methods, each ``prompt ids -> Output``; all greedy, all stopping on the same ids."""
+def make_methods(target: models.LoadedModel, drafter: models.LoadedModel, args: argparse.Namespace,
+                 curve: dict[int, float]) -> dict[str, Method]:
+    """The methods, each ``prompt ids -> Output``; all greedy, all stopping on the same ids.
+
+    agentspec's engines choose γ ≤ their K each round (:class:`agentspec.router.DraftLengthPolicy`,
+    seeded with the measured verify-cost ``curve`` and learning acceptance as it runs); ``*_fixed``
+    variants draft the full K every round, like transformers does."""
     k, n = args.num_draft_tokens, args.max_ngram
     plain_cfg = common.hf_generation_config(target, args.max_new_tokens)
     lookup_cfg = common.hf_generation_config(target, args.max_new_tokens, prompt_lookup_num_tokens=k,
@@ -137,8 +141,11 @@ def make_methods(target: models.LoadedModel, drafter: models.LoadedModel, args: 
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     engines = {
         "agentspec_plain": SpecEngine(target, None, num_draft_tokens=0),
-        "agentspec_ngram": SpecEngine(target, NgramDrafter(max_ngram=n, min_ngram=1), num_draft_tokens=k),
-        "agentspec_model": SpecEngine(target, ModelDrafter(drafter), num_draft_tokens=args.model_draft_tokens),
+        "agentspec_ngram": SpecEngine(target, NgramDrafter(max_ngram=n, min_ngram=1), num_draft_tokens=k,
+                                      draft_policy=router.DraftLengthPolicy.from_calibration(curve)),
+        "agentspec_ngram_fixed": SpecEngine(target, NgramDrafter(max_ngram=n, min_ngram=1), num_draft_tokens=k),
+        "agentspec_model": SpecEngine(target, ModelDrafter(drafter), num_draft_tokens=args.model_draft_tokens,
+                                      draft_policy=router.DraftLengthPolicy.from_calibration(curve)),
     }
 
     def hf(cfg: Any) -> Method:
@@ -170,25 +177,15 @@ def bench_target_dtype(alias: str, dtype: str, prompts: list[common.Prompt], arg
     log(tag, f"loaded in {load_s:.1f}s; drafter = first {args.model_draft_layers} layers; {info}")
     encoded = [common.render(target.tokenizer, p) for p in prompts]
     warm = common.render(target.tokenizer, common.warmup_prompt(prompts))
-    methods = {m: run for m, run in make_methods(target, drafter, args).items() if m in args.methods or m == "plain"}
     targets_passes = common.ForwardCounter(target.model)
     drafter_passes = common.ForwardCounter(drafter.model)
 
-    # 1. warm-up: fault in memory, one untimed generation per method on a separate prompt
+    # 0. fault in memory
     longest = max(len(x) for x in encoded) + args.max_new_tokens + args.num_draft_tokens
     common.pretouch(target.model, longest)
     common.pretouch(drafter.model, longest)
     common.prefill_seconds(target.model, warm)
-    warm_out = {}
-    for name, run in methods.items():
-        warm_out[name], seconds = common.timed(lambda run=run: run(warm))
-        log(tag, f"warm-up {name}: {seconds:.2f}s, {len(warm_out[name].tokens)} tokens")
-    noise = common.logit_path_noise(target.model, warm, warm_out["plain"].tokens, args.num_draft_tokens + 1)
-    info["logit_path_noise"] = noise
-    log(tag, f"logit path noise (|Δ logit| between computation paths): max {noise['max_abs']:.4g}, "
-        f"median {noise['median_abs']:.4g} over {noise['positions']} positions")
-
-    # 2. verify-cost curve on a median-length prompt
+    # 1. verify-cost curve on a median-length prompt (after faulting in memory); it seeds the draft policies
     by_length = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     median_i = by_length[len(by_length) // 2]
     kmax = max(17, args.num_draft_tokens + 1, args.model_draft_tokens + 1)
@@ -197,6 +194,19 @@ def bench_target_dtype(alias: str, dtype: str, prompts: list[common.Prompt], arg
     log(tag, "verify cost t_v(k)/t_v(1):", " ".join(f"{k}:{r:.2f}" for k, r in ratio.items() if k <= 16))
     verify_cost = {"prompt_id": prompts[median_i].id, "prompt_tokens": len(encoded[median_i]),
                    "reps": args.curve_reps, "seconds": curve, "ratio": ratio}
+
+    methods = {m: run for m, run in make_methods(target, drafter, args, curve).items()
+               if m in args.methods or m == "plain"}
+
+    # 2. warm-up: one untimed generation per method on a separate prompt (the policies start learning)
+    warm_out = {}
+    for name, run in methods.items():
+        warm_out[name], seconds = common.timed(lambda run=run: run(warm))
+        log(tag, f"warm-up {name}: {seconds:.2f}s, {len(warm_out[name].tokens)} tokens")
+    noise = common.logit_path_noise(target.model, warm, warm_out["plain"].tokens, args.num_draft_tokens + 1)
+    info["logit_path_noise"] = noise
+    log(tag, f"logit path noise (|Δ logit| between computation paths): max {noise['max_abs']:.4g}, "
+        f"median {noise['median_abs']:.4g} over {noise['positions']} positions")
 
     # 3./4. the measured loop, methods interleaved per prompt (order rotated), then the comparison
     runs: dict[str, list[Run]] = {m: [] for m in methods}
@@ -311,7 +321,7 @@ def summarise(alias: str, dtype: str, method: str, runs: list[Run], plain: list[
     if stats:
         pooled = common.pooled_stats(stats)
         gammas = pooled.pop("gammas")
-        predicted = common.predicted_speedup(gammas, pooled["alpha"], t_ar, pooled["t_d"], ratio.__getitem__)
+        predicted = router.predicted_speedup(gammas, pooled["alpha"], t_ar, pooled["t_d"], ratio.__getitem__)
         rec.update(mean_accepted_length=pooled["mean_accepted_length"], alpha=pooled["alpha"],
                    per_position_acceptance=pooled["per_position_acceptance"], spec_stats=pooled,
                    mean_draft_length=statistics.fmean(gammas) if gammas else 0.0,

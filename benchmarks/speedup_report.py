@@ -17,8 +17,14 @@ HOW = """\
   `max_matching_ngram_size=N`); **agentspec_ngram** is `NgramDrafter(max_ngram=N, min_ngram=1)` with
   `SpecEngine(num_draft_tokens=K)`: same K and N. (HF continues the *earliest* n-gram match in the
   context, agentspec the *latest*; both drop to shorter n-grams when the longest has no match.)
+  agentspec_ngram lets `agentspec.router.DraftLengthPolicy` pick γ ≤ K each round: the γ maximising
+  expected tokens per second, E[A](γ) / (γ·t_d + t_v(γ)), from the per-position acceptance it has seen so
+  far and the verify-cost curve (seeded with the curve measured below, refined online); γ = 0 is a
+  plain step, with a 1-token probe every 16 such rounds. **agentspec_ngram_fixed** drafts the full K
+  every round, as transformers does. The policies learn across prompts (the warm-up prompt included),
+  as a long-running engine would.
   **agentspec_plain** is the engine with no drafter (its overhead); **agentspec_model** drafts with the
-  target's own first L layers (same tokenizer by construction).
+  target's own first L layers (same tokenizer by construction), γ ≤ L' chosen by the same policy.
 * **Times.** End-to-end = wall time of the whole call. Prefill = one forward over the prompt alone into a
   fresh cache, timed before and after the methods on that prompt (median of the 2). Decode-only =
   end-to-end − prefill. Rates are **ratios of totals**: Σ new tokens / Σ decode seconds over all prompts;
