@@ -23,10 +23,11 @@ _LAZY = {
     "make_drafter": "agentspec.drafters.base",
     "NgramDrafter": "agentspec.drafters.ngram",
     "ModelDrafter": "agentspec.drafters.model",
+    "DraftLengthPolicy": "agentspec.router",
 }
 
 __all__ = [
-    "DraftContext", "DraftProposal", "Drafter", "GenerationResult", "LoadedModel", "ModelDrafter", "ModelLoadError",
+    "DraftContext", "DraftLengthPolicy", "DraftProposal", "Drafter", "GenerationResult", "LoadedModel", "ModelDrafter", "ModelLoadError",
     "NgramDrafter", "RoundStats", "SamplingParams", "SparseDist", "SpecEngine", "SpecStats", "VerifyResult",
     "load_model", "make_drafter",
 ]
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from agentspec.drafters.ngram import NgramDrafter
     from agentspec.engine import GenerationResult, SpecEngine
     from agentspec.models import LoadedModel, ModelLoadError, load_model
+    from agentspec.router import DraftLengthPolicy
 
 
 def __getattr__(name: str) -> Any:

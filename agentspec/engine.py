@@ -25,7 +25,7 @@ from agentspec import models
 from agentspec.drafters.base import DraftContext, Drafter
 from agentspec.router import DraftLengthPolicy
 from agentspec.types import DraftProposal, RoundStats, SamplingParams, SpecStats, VerifyResult
-from agentspec.verify import sampling_probs, tree_attention, verify_greedy, verify_sampled
+from agentspec.verify import path_depth, sampling_probs, tree_attention, verify_greedy, verify_sampled
 
 
 @dataclass
@@ -177,7 +177,7 @@ class SpecEngine:
             drafted=n, accepted=result.num_accepted, emitted=len(new), draft_s=t1 - t0, verify_s=t2 - t1,
             tree_nodes=n if proposal.is_tree else 0, source=proposal.source,
         )
-        return new, stats, _path_depth(parents, result)
+        return new, stats, path_depth(parents, result)
 
     def _verify(
         self,
@@ -224,9 +224,3 @@ class SpecEngine:
                 return count
         return None
 
-
-def _path_depth(parents: list[int], result: VerifyResult) -> int:
-    """How many draft positions lay along the path the target took (accepted ones + one rejected, if any)."""
-    last = result.accepted_nodes[-1] if result.accepted_nodes else -1
-    has_child = any(p == last for p in parents)
-    return result.num_accepted + (1 if has_child and result.next_token is not None else 0)

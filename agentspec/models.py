@@ -326,3 +326,108 @@ def _timed_forward(model: Any, ids: list[int], cache: Any, num_logits: int) -> f
     t0 = time.perf_counter()
     forward(model, ids, cache, num_logits)
     return time.perf_counter() - t0
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes held by a cache's key and value tensors."""
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def copy_cache_prefix(model: Any, cache: Any, length: int) -> Any:
+    """A new cache holding copies of the first ``length`` positions of ``cache``."""
+    out = new_cache(model)
+    if length <= 0:
+        return out
+    for idx, layer in enumerate(cache.layers):
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        out.update(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone(), idx)
+    return out
+
+
+@torch.inference_mode()
+def forward_batch(
+    model: Any,
+    caches: Sequence[Any],
+    inputs: Sequence[list[int]],
+    masks: Sequence[torch.Tensor],
+    positions: Sequence[torch.Tensor],
+) -> list[torch.Tensor]:
+    """One forward pass over several sequences with their own caches; returns each one's logit rows.
+
+    Item ``i`` has ``L_i`` cached positions and ``q_i = len(inputs[i])`` new tokens, with its own additive
+    mask ``[1, 1, q_i, L_i + q_i]`` and ``position_ids [1, q_i]`` (as :func:`agentspec.verify.tree_attention`
+    builds them). Caches are left-padded to the longest, inputs right-padded to the longest; padding is
+    masked out, so each item attends to exactly what it would alone. Afterwards each cache holds its
+    ``L_i + q_i`` positions, as if it had run alone.
+    """
+    lengths = [cache_length(c) for c in caches]
+    big_l, big_q = max(lengths), max(len(x) for x in inputs)
+    batch = len(caches)
+    device, dtype = model.device, _mask_dtype(masks)
+    ids = torch.zeros(batch, big_q, dtype=torch.long, device=device)
+    mask = torch.full((batch, 1, big_q, big_l + big_q), torch.finfo(dtype).min, dtype=dtype, device=device)
+    pos = torch.zeros(batch, big_q, dtype=torch.long, device=device)
+    for i, (length, tokens) in enumerate(zip(lengths, inputs, strict=True)):
+        q = len(tokens)
+        ids[i, :q] = torch.tensor(tokens, device=device)
+        m = masks[i][0, 0]
+        mask[i, 0, :q, big_l - length : big_l] = m[:, :length]
+        mask[i, 0, :q, big_l : big_l + q] = m[:, length:]
+        for row in range(q, big_q):  # padding rows see only themselves (no all-masked rows)
+            mask[i, 0, row, big_l + row] = 0
+        pos[i, :q] = positions[i][0]
+        pos[i, q:] = positions[i][0, -1]
+    merged = new_cache(model)
+    num_layers = max(len(c.layers) for c in caches)
+    for idx in range(num_layers):
+        keys, values = [], []
+        for c in caches:
+            layer = c.layers[idx] if idx < len(c.layers) else None
+            k = getattr(layer, "keys", None)
+            if k is None or k.numel() == 0:
+                keys.append(None)
+                values.append(None)
+            else:
+                keys.append(_left_pad(k, big_l))
+                values.append(_left_pad(layer.values, big_l))
+        template = next((k for k in keys if k is not None), None)
+        if template is None:
+            continue
+        keys = [k if k is not None else template.new_zeros(template.shape) for k in keys]
+        values = [v if v is not None else template.new_zeros(template.shape) for v in values]
+        merged.update(torch.cat(keys), torch.cat(values), idx)
+    out = model(input_ids=ids, **{_cache_kwarg(model): merged}, use_cache=True, attention_mask=mask,
+                position_ids=pos, logits_to_keep=big_q)
+    logits = out.logits
+    results = []
+    for i, (c, length, tokens) in enumerate(zip(caches, lengths, inputs, strict=True)):
+        q = len(tokens)
+        for idx, layer in enumerate(merged.layers):
+            if getattr(layer, "keys", None) is None:
+                continue
+            k = layer.keys[i : i + 1, :, big_l - length : big_l + q, :].contiguous()
+            v = layer.values[i : i + 1, :, big_l - length : big_l + q, :].contiguous()
+            if idx < len(c.layers) and getattr(c.layers[idx], "keys", None) is not None:
+                c.layers[idx].keys, c.layers[idx].values = k, v
+            else:
+                c.update(k, v, idx)
+        results.append(logits[i, :q])
+    return results
+
+
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    missing = length - t.shape[-2]
+    if missing == 0:
+        return t
+    pad = t.new_zeros(*t.shape[:-2], missing, t.shape[-1])
+    return torch.cat([pad, t], dim=-2)
+
+
+def _mask_dtype(masks: Sequence[torch.Tensor]) -> torch.dtype:
+    return masks[0].dtype

@@ -176,3 +176,10 @@ def _result(path: list[int], draft_tokens: Sequence[int], next_token: int | None
         next_token=next_token,
         bonus=bonus,
     )
+
+
+def path_depth(parents: Sequence[int], result: VerifyResult) -> int:
+    """How many draft positions lay along the path the target took (accepted ones + one rejected, if any)."""
+    last = result.accepted_nodes[-1] if result.accepted_nodes else -1
+    has_child = any(p == last for p in parents)
+    return result.num_accepted + (1 if has_child and result.next_token is not None else 0)

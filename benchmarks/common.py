@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from agentspec import models
+from agentspec.toolcalls import render_chat
 from agentspec.types import SpecStats
 
 TARGETS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
@@ -127,46 +128,13 @@ def warmup_prompt(exclude: Iterable[Prompt] = ()) -> Prompt:
     return prompt
 
 
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_xyz", "description": "probe",
-                                                "parameters": {"type": "object", "properties": {}}}}
-
-
-def supports_tools(tokenizer: Any) -> bool:
-    """Whether the chat template renders ``tools=`` at all (SmolLM2's silently ignores them)."""
-    probe = [{"role": "user", "content": "hi"}]
-    with_tools = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], add_generation_prompt=True,
-                                               tokenize=False)
-    return "probe_tool_xyz" in with_tools
-
-
-def tools_system_text(tools: Sequence[dict]) -> str:
-    """The tools as JSON in plain text, for templates without tool support (Qwen2.5's wording)."""
-    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("You may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n"
-            "</tools>\n\nFor each function call, return a json object with function name and arguments "
-            'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
-            '"arguments": <args-json-object>}\n</tool_call>')
-
-
 def render(tokenizer: Any, prompt: Prompt) -> list[int]:
     """Token ids of the prompt with the generation prompt appended, special tokens added exactly once.
 
     The template already writes every special token, so the text is encoded with
     ``add_special_tokens=False`` (a second BOS would otherwise be prepended by some tokenizers).
     """
-    messages = [dict(m) for m in prompt.messages]
-    if supports_tools(tokenizer):
-        text = tokenizer.apply_chat_template(messages, tools=list(prompt.tools), add_generation_prompt=True,
-                                             tokenize=False)
-    else:
-        block = tools_system_text(prompt.tools)
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = f"{messages[0]['content']}\n\n{block}"
-        else:
-            messages.insert(0, {"role": "system", "content": block})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = render_chat(tokenizer, [dict(m) for m in prompt.messages], list(prompt.tools))
     bos = tokenizer.bos_token_id
     if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
         raise AssertionError(f"prompt {prompt.id} starts with two BOS tokens")

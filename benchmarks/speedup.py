@@ -39,6 +39,7 @@ import torch
 from agentspec import models, router
 from agentspec.drafters import ModelDrafter, NgramDrafter
 from agentspec.engine import SpecEngine
+from agentspec.toolcalls import supports_tools
 from agentspec.types import SamplingParams, SpecStats
 from benchmarks import common
 from benchmarks.common import log
@@ -276,7 +277,7 @@ def model_info(target: models.LoadedModel, drafter: models.LoadedModel, load_s: 
         "class": type(target.model).__name__, "params": sum(p.numel() for p in target.model.parameters()),
         "layers": target.model.config.num_hidden_layers, "linear_modules": dict(mods),
         "param_dtypes": dict(Counter(str(p.dtype) for p in target.model.parameters())),
-        "eos_token_ids": list(target.eos_token_ids), "template_supports_tools": common.supports_tools(
+        "eos_token_ids": list(target.eos_token_ids), "template_supports_tools": supports_tools(
             target.tokenizer), "drafter_params": sum(p.numel() for p in drafter.model.parameters()),
         "load_s": round(load_s, 1),
     }
@@ -400,5 +401,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def merge(paths: list[str], out: str) -> dict:
+    """Combine result files of separate runs (same settings, other targets × dtypes) into one."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    settings = [{k: v for k, v in p["meta"]["settings"].items() if k not in ("targets", "dtypes")} for p in parts]
+    if any(s != settings[0] for s in settings):
+        raise SystemExit(f"refusing to merge runs with different settings: {settings}")
+    meta = parts[0]["meta"]
+    meta["merged_from"] = [{"path": p, "date_utc": x["meta"]["machine"]["date_utc"],
+                            "targets": x["meta"]["settings"]["targets"], "dtypes": x["meta"]["settings"]["dtypes"]}
+                           for p, x in zip(paths, parts, strict=True)]
+    result: dict[str, Any] = {"meta": meta, "verify_cost": {}, "records": [], "per_prompt": {}}
+    for x in parts:
+        meta["models"].update(x["meta"]["models"])
+        result["verify_cost"].update(x["verify_cost"])
+        result["per_prompt"].update(x["per_prompt"])
+        result["records"] += x["records"]
+    result["acceptance"] = acceptance(result["records"])
+    Path(f"{out}.json").write_text(json.dumps(result, indent=1, default=str))
+    write_markdown(result, Path(f"{out}.md"))
+    return result
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["merge"]:  # python -m benchmarks.speedup merge OUT PART.json PART.json ...
+        merge(sys.argv[3:], sys.argv[2])
+        sys.exit(0)
     sys.exit(main())

@@ -29,7 +29,17 @@ def char_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    out.chat_template = CHAT_TEMPLATE
+    return out
+
+
+# A minimal chat template for the char tokenizer (every character it emits is in the vocabulary).
+CHAT_TEMPLATE = (
+    "{% if tools %}[tools]{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] if m['content'] is string else '' }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def tiny_model(seed: int, layers: int = 2, dtype: torch.dtype = torch.float32, vocab: int = VOCAB) -> LoadedModel:

@@ -1,0 +1,247 @@
+"""The speculation wire protocol (version 1): JSON messages between SpecClient and agentspec-verifier.
+
+Endpoints (all under ``/v1/spec``, Bearer auth when the server has keys):
+
+* ``POST /v1/spec/sessions`` — :class:`OpenSession` → :class:`SessionInfo`. Opens a session from prompt
+  token ids, or from chat ``messages`` (+ ``tools``) rendered server-side with the target's chat template;
+  the reply returns the ids so the client's drafter sees exactly the server's tokens. A prompt that starts
+  with a prefix cached for the same API key reuses that KV (``reused_tokens``).
+* ``POST /v1/spec/sessions/{id}/rounds`` — :class:`VerifyRound` → :class:`RoundReply`. One verification
+  round: ``base_len`` (the committed length the client assumes), ``new_tokens`` committed by the client
+  since its last round, and a ``draft`` (a chain, or a tree with ``parents``; sampled drafts carry their
+  sparse proposal ``q``). Rounds that arrive together from different sessions share one batched pass.
+* ``POST /v1/spec/sessions/{id}/generate`` — :class:`Generate` → newline-delimited :class:`RoundReply`
+  objects: the server drafts with its own drafter (``mode="server"``) or decodes plainly
+  (``mode="server-ar"``) and streams the verified tokens as they are committed.
+* ``GET /v1/spec/sessions/{id}`` → :class:`SessionInfo`; ``DELETE`` closes it (its KV stays reusable as a
+  prefix until evicted).
+
+Errors use the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``. Codes that tell the
+client to resend its prefix (open a new session): :data:`SESSION_NOT_FOUND`, :data:`SESSION_EVICTED`,
+:data:`BASE_LEN_MISMATCH` (the error carries the server's ``committed_len``). The server never guesses.
+
+Structural checks live here (pydantic); checks that need the model (token ids < vocab size, lengths
+against the server's limits) are :meth:`VerifyRound.check_against` / :meth:`OpenSession.check_against`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PROTOCOL_VERSION = 1
+
+SESSION_NOT_FOUND = "session_not_found"
+SESSION_EVICTED = "session_evicted"
+BASE_LEN_MISMATCH = "base_len_mismatch"
+RESEND_PREFIX_CODES = frozenset({SESSION_NOT_FOUND, SESSION_EVICTED, BASE_LEN_MISMATCH})
+
+TokenId = Annotated[int, Field(ge=0)]
+PROB_TOLERANCE = 1e-3
+
+
+class ProtocolError(ValueError):
+    """A request that is well-formed JSON but asks for something the server cannot do; maps to a 4xx."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_request",
+                 status: int = 400, extra: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+        self.extra = extra or {}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class Sampling(_Strict):
+    """Sampling settings of a round; temperature 0 is greedy (the default)."""
+
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SparseQ(_Strict):
+    """A drafter's proposal distribution at one draft node: token ids and their probabilities."""
+
+    ids: list[TokenId] = Field(min_length=1)
+    probs: list[float] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> SparseQ:
+        if len(self.ids) != len(self.probs):
+            raise ValueError(f"ids ({len(self.ids)}) and probs ({len(self.probs)}) must have the same length")
+        if len(set(self.ids)) != len(self.ids):
+            raise ValueError("ids must be distinct")
+        if any(not math.isfinite(p) or p < 0 or p > 1 for p in self.probs):
+            raise ValueError("probs must be finite numbers in [0, 1]")
+        if sum(self.probs) > 1 + PROB_TOLERANCE:
+            raise ValueError(f"probs sum to {sum(self.probs):.6f}; a distribution sums to at most 1")
+        return self
+
+
+class Draft(_Strict):
+    """Draft tokens: a chain (``parents`` omitted) or a tree in topological order (``parents[i] < i``)."""
+
+    tokens: list[TokenId] = Field(default_factory=list)
+    parents: list[int] | None = None
+    q: list[SparseQ] | None = None
+    source: str = Field("", max_length=64)
+
+    @model_validator(mode="after")
+    def _check(self) -> Draft:
+        n = len(self.tokens)
+        if self.parents is not None:
+            if len(self.parents) != n:
+                raise ValueError(f"parents has {len(self.parents)} entries for {n} tokens")
+            for i, p in enumerate(self.parents):
+                if not -1 <= p < i:
+                    raise ValueError(f"parents[{i}] = {p}: each parent must be -1 (the root) or an earlier "
+                                     "node (topological order, so no cycles)")
+        if self.q is not None and len(self.q) != n:
+            raise ValueError(f"q has {len(self.q)} entries for {n} tokens")
+        if self.q is not None:
+            for i, (tok, dist) in enumerate(zip(self.tokens, self.q, strict=True)):
+                if tok not in dist.ids or dist.probs[dist.ids.index(tok)] <= 0:
+                    raise ValueError(f"q[{i}] gives the drafted token {tok} no probability; q must be the "
+                                     "distribution the token was sampled from")
+        return self
+
+
+class OpenSession(_Strict):
+    """Open a session from ``prompt_ids`` or from chat ``messages`` (+ ``tools``)."""
+
+    prompt_ids: list[TokenId] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    max_new_tokens: int | None = Field(None, ge=1)
+    stop_token_ids: list[TokenId] | None = None
+    protocol_version: int = PROTOCOL_VERSION
+
+    @model_validator(mode="after")
+    def _check(self) -> OpenSession:
+        if (self.prompt_ids is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt_ids or messages")
+        if self.prompt_ids is not None and not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.protocol_version != PROTOCOL_VERSION:
+            raise ValueError(f"this server speaks protocol version {PROTOCOL_VERSION}")
+        return self
+
+
+class VerifyRound(_Strict):
+    """One verification round (edge mode)."""
+
+    base_len: int = Field(ge=1)
+    new_tokens: list[TokenId] = Field(default_factory=list)
+    draft: Draft = Field(default_factory=Draft)
+    sampling: Sampling = Field(default_factory=Sampling)
+
+    @model_validator(mode="after")
+    def _check(self) -> VerifyRound:
+        if self.sampling.greedy and self.draft.q is not None:
+            raise ValueError("q is for sampled drafts; a greedy round (temperature 0) must not send it")
+        if not self.sampling.greedy and self.draft.tokens and self.draft.q is None:
+            raise ValueError("a sampled round (temperature > 0) must send q, the distribution each draft "
+                             "token was sampled from; without it verification cannot be lossless")
+        return self
+
+    def check_against(self, vocab_size: int, max_draft_tokens: int) -> None:
+        """Checks that need the server's model and limits."""
+        if len(self.draft.tokens) > max_draft_tokens:
+            raise ProtocolError(f"draft has {len(self.draft.tokens)} tokens; this server allows at most "
+                                f"{max_draft_tokens} (--max-draft-tokens)", param="draft.tokens")
+        _check_vocab(self.new_tokens, vocab_size, "new_tokens")
+        _check_vocab(self.draft.tokens, vocab_size, "draft.tokens")
+        for i, dist in enumerate(self.draft.q or ()):
+            _check_vocab(dist.ids, vocab_size, f"draft.q[{i}].ids")
+
+
+class Generate(_Strict):
+    """Server-side generation on a session: co-located speculation (``server``) or plain decoding."""
+
+    base_len: int = Field(ge=1)
+    new_tokens: list[TokenId] = Field(default_factory=list)
+    mode: Literal["server", "server-ar"] = "server"
+    max_new_tokens: int = Field(256, ge=1)
+    num_draft_tokens: int | None = Field(None, ge=0)
+    sampling: Sampling = Field(default_factory=Sampling)
+
+    def check_against(self, vocab_size: int, max_draft_tokens: int) -> None:
+        _check_vocab(self.new_tokens, vocab_size, "new_tokens")
+        if self.num_draft_tokens is not None and self.num_draft_tokens > max_draft_tokens:
+            raise ProtocolError(f"num_draft_tokens {self.num_draft_tokens} exceeds this server's "
+                                f"--max-draft-tokens {max_draft_tokens}", param="num_draft_tokens")
+
+
+class Timings(BaseModel):
+    queue_ms: float = 0.0
+    verify_ms: float = 0.0
+    draft_ms: float = 0.0
+    batch_size: int = 1
+
+
+class Load(BaseModel):
+    running: int = 0
+    waiting: int = 0
+    sessions: int = 0
+    kv_cache_bytes: int = 0
+    kv_cache_capacity_bytes: int = 0
+
+
+class RoundReply(BaseModel):
+    """What a round committed: ``tokens`` = accepted draft tokens + the recovered/bonus token."""
+
+    session_id: str
+    accepted: int
+    drafted: int
+    tokens: list[int]
+    committed_len: int
+    finished: bool = False
+    finish_reason: Literal["stop", "length"] | None = None
+    timings: Timings = Field(default_factory=Timings)
+    load: Load = Field(default_factory=Load)
+
+
+class SessionInfo(BaseModel):
+    session_id: str
+    prompt_ids: list[int]
+    committed_len: int
+    reused_tokens: int = 0
+    prefill_ms: float = 0.0
+    vocab_size: int
+    max_draft_tokens: int
+    protocol_version: int = PROTOCOL_VERSION
+    model: str
+    load: Load = Field(default_factory=Load)
+
+
+def _check_vocab(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise ProtocolError(f"{param} has token id {bad[0]} but the model's vocabulary has {vocab_size} ids "
+                            f"(0 … {vocab_size - 1})", param=param)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The OpenAI error envelope."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code, **extra}}

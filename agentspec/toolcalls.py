@@ -1,0 +1,224 @@
+"""Tool-call output formats and an incremental, chunk-size-agnostic parser.
+
+Targets write tool calls as Hermes/Qwen ``<tool_call>{…}</tool_call>`` blocks, as JSON in a code fence,
+or as a bare JSON object/array; one turn may hold several calls. :class:`ToolCallParser` takes committed
+text in chunks of any size (a round may add 1 or 12 tokens; a boundary may fall inside a tag or a key)
+and emits plain text as soon as it cannot be the start of a call, and each tool call only once it is
+complete — never from text that might still change.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+FENCE = "```"
+
+
+@dataclass
+class ToolCall:
+    """One complete call: the function name and its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ParseEvent:
+    """Either a text delta or a completed tool call."""
+
+    text: str = ""
+    call: ToolCall | None = None
+
+
+def calls_from_json(obj: Any) -> list[ToolCall] | None:
+    """Tool calls from a parsed JSON value (an object or a list of objects), or None if it is not one."""
+    items = obj if isinstance(obj, list) else [obj]
+    calls = []
+    for it in items:
+        if not isinstance(it, dict):
+            return None
+        fn = it.get("function") if isinstance(it.get("function"), dict) else it
+        name = fn.get("name")
+        args = fn.get("arguments", fn.get("parameters", {}))
+        if not isinstance(name, str) or not name:
+            return None
+        if isinstance(args, str):
+            try:
+                json.loads(args)
+            except ValueError:
+                return None
+        elif isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        else:
+            return None
+        calls.append(ToolCall(name, args))
+    return calls or None
+
+
+def _parse_calls(text: str) -> list[ToolCall] | None:
+    body = text.strip()
+    if body.startswith("json"):
+        body = body[4:]
+    try:
+        return calls_from_json(json.loads(body))
+    except ValueError:
+        return None
+
+
+class ToolCallParser:
+    """Feed committed text with :meth:`feed`; call :meth:`finish` at the end of the turn."""
+
+    def __init__(self, tools_enabled: bool = True) -> None:
+        self.tools_enabled = tools_enabled
+        self._buf = ""
+        self._bare = None  # None: undecided; True: the whole output is JSON; False: it is not
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[ParseEvent]:
+        """Events made final by ``text`` (appended to everything fed so far)."""
+        if not self.tools_enabled:
+            return [ParseEvent(text=text)] if text else []
+        self._buf += text
+        events: list[ParseEvent] = []
+        if self._bare is None:
+            stripped = self._buf.lstrip()
+            if not stripped:
+                return events
+            self._bare = stripped[0] in "{["
+        if self._bare:
+            return events  # decided at finish(): the whole output is one JSON value or text
+        while True:
+            start, marker = _first_marker(self._buf)
+            if start is None:
+                keep = _partial_marker_suffix(self._buf)
+                emit = self._buf[: len(self._buf) - keep]
+                if emit:
+                    events.append(ParseEvent(text=emit))
+                self._buf = self._buf[len(emit) :]
+                return events
+            if start:
+                events.append(ParseEvent(text=self._buf[:start]))
+                self._buf = self._buf[start:]
+            close = CLOSE_TAG if marker == OPEN_TAG else FENCE
+            end = self._buf.find(close, len(marker))
+            if end < 0:
+                return events  # wait for the rest of the block
+            body = self._buf[len(marker) : end]
+            block = self._buf[: end + len(close)]
+            self._buf = self._buf[end + len(close) :]
+            calls = _parse_calls(body)
+            if calls:
+                self.calls.extend(calls)
+                events.extend(ParseEvent(call=c) for c in calls)
+            else:
+                events.append(ParseEvent(text=block))
+
+    def finish(self) -> list[ParseEvent]:
+        """Flush at the end of the turn: a bare JSON output becomes calls, anything else text."""
+        buf, self._buf = self._buf, ""
+        if not buf:
+            return []
+        if self.tools_enabled:
+            if self._bare:
+                calls = _parse_calls(buf)
+                if calls:
+                    self.calls.extend(calls)
+                    return [ParseEvent(call=c) for c in calls]
+            elif buf.startswith(OPEN_TAG) and CLOSE_TAG not in buf:
+                calls = _parse_calls(buf[len(OPEN_TAG) :])  # a final call whose close tag was cut by a stop
+                if calls:
+                    self.calls.extend(calls)
+                    return [ParseEvent(call=c) for c in calls]
+        return [ParseEvent(text=buf)]
+
+
+def _first_marker(buf: str) -> tuple[int | None, str]:
+    found = [(buf.find(m), m) for m in (OPEN_TAG, FENCE) if buf.find(m) >= 0]
+    if not found:
+        return None, ""
+    return min(found)
+
+
+def _partial_marker_suffix(buf: str) -> int:
+    """Length of the longest suffix of ``buf`` that could be the start of a marker."""
+    best = 0
+    for m in (OPEN_TAG, FENCE):
+        for n in range(1, len(m)):
+            if buf.endswith(m[:n]):
+                best = max(best, n)
+    return best
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_xyz", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+@functools.lru_cache(maxsize=32)
+def _supports_tools(template: str, tokenizer: Any) -> bool:
+    probe = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], add_generation_prompt=True, tokenize=False)
+    return "probe_tool_xyz" in text
+
+
+def supports_tools(tokenizer: Any) -> bool:
+    """Whether the chat template renders ``tools=`` at all (SmolLM2's silently ignores them)."""
+    return _supports_tools(str(tokenizer.chat_template), tokenizer)
+
+
+def tools_system_text(tools: list[dict[str, Any]]) -> str:
+    """The tools as JSON in plain text, for templates without tool support (Qwen2.5's wording)."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("You may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n"
+            "</tools>\n\nFor each function call, return a json object with function name and arguments "
+            'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+            '"arguments": <args-json-object>}\n</tool_call>')
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` (+ ``tools``) with the target's own chat template.
+
+    Rendered to text and encoded without adding special tokens (the template writes each one once).
+    When the template ignores ``tools=``, the tools go into the system message as Qwen2.5's template
+    would phrase them, so every target sees its tools.
+    """
+    tools = normalise_tools(tools)
+    messages = [dict(m) for m in messages]
+    if tools and not supports_tools(tokenizer):
+        block = tools_system_text(tools)
+        if messages and messages[0].get("role") == "system":
+            messages[0]["content"] = f"{messages[0].get('content') or ''}\n\n{block}"
+        else:
+            messages.insert(0, {"role": "system", "content": block})
+        tools = None
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def normalise_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """OpenAI tools with JSON-schema parameters; BFCL's ``"dict"`` type becomes ``"object"``."""
+    if not tools:
+        return None
+    return [_normalise(t) for t in tools]
+
+
+def _normalise(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        out = {k: _normalise(v) for k, v in obj.items()}
+        if out.get("type") == "dict":
+            out["type"] = "object"
+        return out
+    if isinstance(obj, list):
+        return [_normalise(v) for v in obj]
+    return obj

@@ -1,0 +1,235 @@
+"""The verifier's HTTP routes (FastAPI): speculation API, OpenAI-compatible API, health, metrics.
+
+Every error leaves as the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
+that says what to fix (5xx only for the server's own faults); a bad request never affects other sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentspec.protocol import PROTOCOL_VERSION, Generate, OpenSession, ProtocolError, VerifyRound, error_body
+from agentspec.verifier_server.engine import VerifierEngine
+from agentspec.verifier_server.kv_store import key_owner
+from agentspec.verifier_server.openai_api import ChatRequest, chat_completion, stream_chunks
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "server_busy_error", 504: "timeout_error"}
+
+
+def create_app(engine: VerifierEngine) -> FastAPI:
+    """The ASGI app around a (possibly still loading) :class:`VerifierEngine`."""
+    config = engine.config
+    app = FastAPI(title="agentspec-verifier", version=str(PROTOCOL_VERSION), docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    keys = tuple(k.encode() for k in config.api_keys)
+    too_large = f"request body is larger than this server's limit of {config.max_body_bytes} bytes"
+
+    def owner_of(request: Request) -> str:
+        """Authenticate (constant-time, every configured key compared) and return the caller's owner tag."""
+        if not keys:
+            return key_owner(None)
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ProtocolError("missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key",
+                                status=401)
+        given = token.strip().encode()
+        ok = False
+        for k in keys:
+            ok |= hmac.compare_digest(given, k)
+        if not ok:
+            raise ProtocolError("invalid API key", code="invalid_api_key", status=401)
+        return key_owner(token.strip())
+
+    async def parse(request: Request, model: Any) -> Any:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise ProtocolError(too_large, code="body_too_large", status=413)
+        chunks, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > config.max_body_bytes:
+                raise ProtocolError(too_large, code="body_too_large", status=413)
+            chunks.append(part)
+        body = b"".join(chunks)
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ProtocolError(f"request body is not valid JSON: {e}", code="invalid_json") from e
+        if not isinstance(data, dict):
+            raise ProtocolError("request body must be a JSON object", code="invalid_json")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise _BadBody(e.errors()) from e
+
+    async def timed(coro: Any, endpoint: str) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.wait_for(coro, timeout=config.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise ProtocolError(f"request took longer than {config.request_timeout_s:.0f} s", code="timeout",
+                                status=504) from None
+        finally:
+            if engine.metrics:
+                engine.metrics.request(endpoint, time.perf_counter() - t0)
+
+    def require_ready() -> None:
+        if not engine.ready:
+            raise ProtocolError("the model is still loading; retry when /health says ok", code="not_ready",
+                                status=503)
+
+    # -- errors ------------------------------------------------------------------------------------
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol_error(_: Request, e: ProtocolError) -> JSONResponse:
+        kind = ERROR_TYPES.get(e.status, "invalid_request_error")
+        return JSONResponse(error_body(e.message, kind, e.param, e.code, **e.extra), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _validation_response(e.errors())
+
+    @app.exception_handler(_BadBody)
+    async def _bad_body(_: Request, e: _BadBody) -> JSONResponse:
+        return _validation_response(e.errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(e.detail), ERROR_TYPES.get(e.status_code, "invalid_request_error"),
+                                       code=str(e.status_code)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
+                            status_code=500)
+
+    # -- operations --------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": config.served_model_name})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if engine.metrics is None:
+            return Response(b"", media_type="text/plain")
+        load = engine.load()
+        body = engine.metrics.render(load.running, load.waiting, load.sessions,
+                                     load.kv_cache_bytes / max(load.kv_cache_capacity_bytes, 1))
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict:
+        owner_of(request)
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "agentspec", "max_model_len": config.max_model_len}]}
+
+    # -- speculation API ---------------------------------------------------------------------------
+
+    @app.post("/v1/spec/sessions")
+    async def open_session(request: Request) -> dict:
+        owner = owner_of(request)
+        require_ready()
+        req = await parse(request, OpenSession)
+        info = await timed(engine.open_session(req, owner), "open_session")
+        return info.model_dump()
+
+    @app.get("/v1/spec/sessions/{session_id}")
+    async def get_session(session_id: str, request: Request) -> dict:
+        owner = owner_of(request)
+        return engine.info(engine.store.get(session_id, owner)).model_dump()
+
+    @app.delete("/v1/spec/sessions/{session_id}")
+    async def close_session(session_id: str, request: Request) -> dict:
+        owner = owner_of(request)
+        engine.store.close(session_id, owner)
+        return {"session_id": session_id, "closed": True}
+
+    @app.post("/v1/spec/sessions/{session_id}/rounds")
+    async def verify_round(session_id: str, request: Request) -> dict:
+        owner = owner_of(request)
+        require_ready()
+        req = await parse(request, VerifyRound)
+        session = engine.store.get(session_id, owner)
+        reply = await timed(engine.verify_round(session, req), "round")
+        return reply.model_dump()
+
+    @app.post("/v1/spec/sessions/{session_id}/generate")
+    async def generate(session_id: str, request: Request) -> StreamingResponse:
+        owner = owner_of(request)
+        require_ready()
+        req = await parse(request, Generate)
+        session = engine.store.get(session_id, owner)
+        req.check_against(engine.vocab_size, config.max_draft_tokens)
+        rounds = engine.generate(session, req)
+        first = await timed(rounds.__anext__(), "generate")  # errors before streaming starts become 4xx
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                yield (first.model_dump_json() + "\n").encode()
+                async for reply in rounds:
+                    yield (reply.model_dump_json() + "\n").encode()
+            except ProtocolError as e:
+                yield (json.dumps(error_body(e.message, code=e.code, param=e.param)) + "\n").encode()
+            finally:
+                await rounds.aclose()
+
+        return StreamingResponse(body(), media_type="application/x-ndjson")
+
+    # -- OpenAI-compatible -------------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        owner = owner_of(request)
+        require_ready()
+        req = await parse(request, ChatRequest)
+        if req.model is not None and req.model != config.served_model_name:
+            raise ProtocolError(f"model {req.model!r} is not served here; this server serves "
+                                f"{config.served_model_name!r}", param="model", code="model_not_found", status=404)
+        if not req.stream:
+            return await timed(chat_completion(engine, req, owner), "chat_completions")
+        chunks = stream_chunks(engine, req, owner)
+        first = await timed(chunks.__anext__(), "chat_completions")
+
+        async def body() -> AsyncIterator[bytes]:
+            yield first
+            try:
+                async for c in chunks:
+                    yield c
+            except ProtocolError as e:
+                yield f"data: {json.dumps(error_body(e.message, code=e.code, param=e.param))}\n\n".encode()
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return app
+
+
+class _BadBody(Exception):
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        super().__init__("invalid request body")
+        self.errors = errors
+
+
+def _validation_response(errors: list[dict[str, Any]]) -> JSONResponse:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+    msg = first.get("msg", "invalid request").removeprefix("Value error, ")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return JSONResponse(error_body(f"{param}: {msg}{more}" if param else msg + more, param=param,
+                                   code="invalid_request"), status_code=400)

@@ -1,0 +1,426 @@
+"""The verifier's engine: session rounds, batched across sessions, on one model thread.
+
+* Every model call (prefill, drafting, verification) runs on a single worker thread, so the model is
+  never used concurrently and rounds queue up naturally while a pass runs.
+* :class:`BatchScheduler` collects rounds for a short window (``batch_window_s``) or until
+  ``max_batch_size`` and runs them as ONE forward pass (:func:`agentspec.models.forward_batch`); a lone
+  round takes the unbatched path, exactly like the in-process engine.
+* A round: check ``base_len``, append the client's ``new_tokens``, optionally draft (server mode), run
+  the pass over uncached committed tokens + draft nodes, verify (:mod:`agentspec.verify`), keep the
+  accepted path in the KV cache, append accepted + recovered/bonus tokens, stop on stop tokens/length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentspec import models
+from agentspec.drafters.base import DraftContext, Drafter
+from agentspec.drafters.model import ModelDrafter
+from agentspec.drafters.ngram import NgramDrafter
+from agentspec.protocol import (
+    BASE_LEN_MISMATCH,
+    Draft,
+    Generate,
+    Load,
+    OpenSession,
+    ProtocolError,
+    RoundReply,
+    Sampling,
+    SessionInfo,
+    SparseQ,
+    Timings,
+    VerifyRound,
+)
+from agentspec.router import DraftLengthPolicy
+from agentspec.toolcalls import render_chat
+from agentspec.types import DraftProposal, SamplingParams, SparseDist
+from agentspec.verifier_server.kv_store import KVStore, Session
+from agentspec.verify import path_depth, sampling_probs, tree_attention, verify_greedy, verify_sampled
+
+
+@dataclass
+class ServerConfig:
+    """Limits and knobs of one verifier (the CLI's flags)."""
+
+    served_model_name: str = "agentspec"
+    max_sessions: int = 64
+    kv_cache_memory: int = 2 * 1024**3
+    max_model_len: int = 8192
+    max_draft_tokens: int = 16
+    max_batch_size: int = 8
+    batch_window_s: float = 0.002
+    default_num_draft_tokens: int = 6
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 1024**2
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class _Item:
+    """One round waiting for the model thread."""
+
+    session: Session
+    draft: DraftProposal
+    sampling: Sampling
+    drafter: Drafter | None = None  # server mode: draft on the model thread first
+    num_draft_tokens: int = 0
+    policy: DraftLengthPolicy | None = None
+    enqueued: float = field(default_factory=time.perf_counter)
+    future: asyncio.Future | None = None
+
+
+@dataclass
+class _Outcome:
+    reply: RoundReply | None = None
+    error: BaseException | None = None
+
+
+class VerifierEngine:
+    """Sessions, rounds and generation over one target (and an optional server-side drafter)."""
+
+    def __init__(self, target: models.LoadedModel, config: ServerConfig,
+                 draft_model: models.LoadedModel | None = None, metrics: Any = None) -> None:
+        self.target = target
+        self.config = config
+        self.draft_model = draft_model
+        self.vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
+        self.store = KVStore(target.model, config.max_sessions, config.kv_cache_memory)
+        self.metrics = metrics
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentspec-model")
+        self.scheduler = BatchScheduler(self, config.max_batch_size, config.batch_window_s)
+        self.policies: dict[str, DraftLengthPolicy] = {}
+        self.ready = False
+        self._model_lock = threading.Lock()
+
+    # -- start-up ----------------------------------------------------------------------------------
+
+    def warm_up(self) -> dict[int, float]:
+        """Run the model once, measure the verify-cost curve (it seeds the server-mode draft policies)."""
+        ids = [t % self.vocab_size for t in range(1, 33)]
+        curve = models.measure_verify_cost(self.target.model, ids, self.config.max_draft_tokens + 1, reps=1)
+        for name in ("model", "ngram"):
+            self.policies[name] = DraftLengthPolicy.from_calibration(curve)
+        self.ready = True
+        return curve
+
+    def load(self) -> Load:
+        return Load(running=self.scheduler.running, waiting=self.scheduler.waiting,
+                    sessions=self.store.num_open(), kv_cache_bytes=self.store.used_bytes,
+                    kv_cache_capacity_bytes=self.config.kv_cache_memory)
+
+    async def run_on_model(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # -- sessions ----------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages (+ tools) → prompt ids with the target's own chat template."""
+        tok = self.target.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ProtocolError("this model has no chat template; send prompt_ids instead", param="messages")
+        try:
+            return render_chat(tok, messages, tools, add_generation_prompt)
+        except Exception as e:  # template errors are the caller's input
+            raise ProtocolError(f"could not render messages with the model's chat template: {e}",
+                                param="messages") from e
+
+    async def open_session(self, req: OpenSession, owner: str) -> SessionInfo:
+        ids = req.prompt_ids if req.prompt_ids is not None else self.render(req.messages, req.tools,
+                                                                             req.add_generation_prompt)
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise ProtocolError(f"prompt_ids has token id {bad[0]} but the vocabulary has {self.vocab_size} ids",
+                                param="prompt_ids")
+        room = self.config.max_model_len - len(ids)
+        if room < 1:
+            raise ProtocolError(f"the prompt has {len(ids)} tokens; this server's --max-model-len is "
+                                f"{self.config.max_model_len}", param="prompt_ids")
+        max_new = min(req.max_new_tokens or room, room)
+        stops = frozenset(req.stop_token_ids if req.stop_token_ids is not None else self.target.eos_token_ids)
+        t0 = time.perf_counter()
+        session, reused = await self.run_on_model(self._create_and_prefill, owner, ids, max_new, stops)
+        if self.metrics:
+            self.metrics.prompt_tokens(len(ids) - reused, reused)
+        return SessionInfo(session_id=session.id, prompt_ids=ids, committed_len=len(session.tokens),
+                           reused_tokens=reused, prefill_ms=(time.perf_counter() - t0) * 1e3,
+                           vocab_size=self.vocab_size, max_draft_tokens=self.config.max_draft_tokens,
+                           model=self.config.served_model_name, load=self.load())
+
+    def _create_and_prefill(self, owner: str, ids: list[int], max_new: int, stops: frozenset[int]
+                            ) -> tuple[Session, int]:
+        session, reused = self.store.create(owner, ids, max_new, stops)
+        session.busy += 1
+        try:
+            if len(ids) - 1 > session.num_cached:  # cache everything but the last token (its logits come
+                models.forward(self.target.model, ids[session.num_cached : -1], session.cache, 1)  # in round 1)
+                session.num_cached = len(ids) - 1
+        finally:
+            session.busy -= 1
+        self.store.update_size(session)
+        return session, reused
+
+    def info(self, session: Session) -> SessionInfo:
+        return SessionInfo(session_id=session.id, prompt_ids=session.tokens[: session.num_prompt_tokens],
+                           committed_len=len(session.tokens), vocab_size=self.vocab_size,
+                           max_draft_tokens=self.config.max_draft_tokens, model=self.config.served_model_name,
+                           load=self.load())
+
+    # -- rounds ------------------------------------------------------------------------------------
+
+    def _prepare(self, session: Session, base_len: int, new_tokens: list[int]) -> None:
+        """Check the client's view of the session and append what it committed; raises on mismatch."""
+        if base_len != len(session.tokens):
+            raise ProtocolError(
+                f"base_len {base_len} does not match the session's committed length {len(session.tokens)}; "
+                "resend your prefix in a new session", code=BASE_LEN_MISMATCH, status=409,
+                extra={"committed_len": len(session.tokens)})
+        if session.finished and not new_tokens:
+            raise ProtocolError(f"session {session.id} has finished ({session.finish_reason}); append "
+                                "new_tokens to continue it, or open a new session", code="session_finished")
+        if len(session.tokens) + len(new_tokens) >= self.config.max_model_len:
+            raise ProtocolError(f"new_tokens would take the session past --max-model-len "
+                                f"{self.config.max_model_len}", param="new_tokens")
+        if new_tokens:
+            session.tokens.extend(new_tokens)
+            session.num_prompt_tokens = len(session.tokens)  # a new turn: max_new_tokens counts from here
+            session.finished, session.finish_reason = False, None
+
+    async def verify_round(self, session: Session, req: VerifyRound) -> RoundReply:
+        """An edge-mode round: the client's draft, verified (batched with other sessions' rounds)."""
+        req.check_against(self.vocab_size, self.config.max_draft_tokens)
+        async with _session_guard(session):
+            self._prepare(session, req.base_len, req.new_tokens)
+            return await self.scheduler.submit(_Item(session, _proposal(req.draft), req.sampling))
+
+    async def generate(self, session: Session, req: Generate) -> AsyncIterator[RoundReply]:
+        """Server mode (its own drafter) or server-ar (plain): stream rounds until a stop or the limit."""
+        req.check_against(self.vocab_size, self.config.max_draft_tokens)
+        async with _session_guard(session):
+            self._prepare(session, req.base_len, req.new_tokens)
+            start = session.num_generated
+            drafter, policy, k = None, None, 0
+            if req.mode == "server":
+                k = req.num_draft_tokens if req.num_draft_tokens is not None else self.config.default_num_draft_tokens
+                name = "model" if self.draft_model is not None else "ngram"
+                if session.drafter is None:  # kept on the session: its KV cache follows later turns too
+                    session.drafter = ModelDrafter(self.draft_model) if self.draft_model is not None else NgramDrafter()
+                drafter = session.drafter
+                policy = self.policies.get(name) if req.num_draft_tokens is None else None
+            while True:
+                left = req.max_new_tokens - (session.num_generated - start)
+                item = _Item(session, DraftProposal(), req.sampling, drafter, min(k, max(left - 1, 0)), policy)
+                reply = await self.scheduler.submit(item, limit=start + req.max_new_tokens)
+                yield reply
+                if reply.finished:
+                    return
+
+    # -- the model thread --------------------------------------------------------------------------
+
+    def execute(self, items: list[_Item], limits: list[int | None]) -> list[_Outcome]:
+        """Draft (server mode), one forward pass for all items, verify each. Runs on the model thread."""
+        outcomes = [_Outcome() for _ in items]
+        draft_s = [0.0] * len(items)
+        for i, item in enumerate(items):
+            if item.drafter is not None and item.num_draft_tokens > 0:
+                k = item.policy.choose(item.num_draft_tokens) if item.policy else item.num_draft_tokens
+                t0 = time.perf_counter()
+                params = _sampling_params(item.sampling)
+                ctx = DraftContext(item.session.tokens, item.session.num_prompt_tokens, params,
+                                   self._generator(item.session, item.sampling))
+                item.draft = item.drafter.propose(ctx, k) if k > 0 else DraftProposal()
+                draft_s[i] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        inputs, masks, positions, pendings = [], [], [], []
+        for item in items:
+            s, d = item.session, item.draft
+            pending = s.tokens[s.num_cached :]
+            mask, pos = tree_attention(d.parent_list(), s.num_cached, len(pending), self.target.dtype,
+                                       self.target.model.device)
+            inputs.append(pending + list(d.tokens))
+            masks.append(mask)
+            positions.append(pos)
+            pendings.append(len(pending))
+        with self._model_lock:
+            if len(items) == 1:
+                item, d = items[0], items[0].draft
+                rows = [models.forward(self.target.model, inputs[0], item.session.cache, len(d) + 1,
+                                       masks[0] if d.is_tree else None, positions[0] if d.is_tree else None)]
+            else:
+                full = models.forward_batch(self.target.model, [it.session.cache for it in items], inputs,
+                                            masks, positions)
+                rows = [r[p - 1 :] for r, p in zip(full, pendings, strict=True)]
+        verify_s = time.perf_counter() - t0
+        for i, item in enumerate(items):
+            try:
+                outcomes[i].reply = self._finish_round(item, rows[i], pendings[i], verify_s, draft_s[i],
+                                                       len(items), limits[i])
+            except Exception as e:  # one bad item must not fail the others
+                outcomes[i].error = e
+        return outcomes
+
+    def _finish_round(self, item: _Item, logits: torch.Tensor, num_pending: int, verify_s: float,
+                      draft_s: float, batch_size: int, limit: int | None) -> RoundReply:
+        s, d = item.session, item.draft
+        parents = d.parent_list()
+        if item.sampling.greedy:
+            result = verify_greedy(logits, d.tokens, parents, s.stop_token_ids)
+        else:
+            probs = sampling_probs(logits, _sampling_params(item.sampling))
+            result = verify_sampled(probs, d.tokens, d.draft_probs, parents, self._generator(s, item.sampling),
+                                    s.stop_token_ids)
+        prefix = s.num_cached + num_pending
+        models.keep_cache_positions(s.cache, prefix, [prefix + i for i in result.accepted_nodes])
+        s.num_cached = prefix + result.num_accepted
+        new = list(result.output_tokens)
+        finish = None
+        for i, tok in enumerate(new):
+            if tok in s.stop_token_ids:
+                new, finish = new[: i + 1], "stop"
+                break
+        cap = s.num_prompt_tokens + s.max_new_tokens
+        if limit is not None:
+            cap = min(cap, s.num_prompt_tokens + limit)
+        cap = min(cap, self.config.max_model_len)
+        if finish is None and len(s.tokens) + len(new) >= cap:
+            new, finish = new[: max(cap - len(s.tokens), 0)], "length"
+        s.tokens.extend(new)
+        if s.num_cached > len(s.tokens) - 1 and finish:
+            models.crop_cache(s.cache, len(s.tokens))
+            s.num_cached = min(s.num_cached, len(s.tokens))
+        s.finished, s.finish_reason = finish is not None, finish
+        s.last_used = time.monotonic()
+        self.store.update_size(s)
+        if item.policy is not None:
+            reached = path_depth(parents, result)
+            item.policy.observe(len(d), reached, result.num_accepted, verify_s if batch_size == 1 else None, draft_s)
+        if self.metrics:
+            self.metrics.round(len(d), result.num_accepted, len(new), verify_s,
+                               "server" if item.drafter is not None else "edge" if len(d) else "server-ar")
+        queue_ms = max(0.0, (time.perf_counter() - item.enqueued - verify_s - draft_s) * 1e3)
+        return RoundReply(session_id=s.id, accepted=min(result.num_accepted, len(new)), drafted=len(d),
+                          tokens=new, committed_len=len(s.tokens), finished=finish is not None,
+                          finish_reason=finish,
+                          timings=Timings(queue_ms=queue_ms, verify_ms=verify_s * 1e3, draft_ms=draft_s * 1e3,
+                                          batch_size=batch_size),
+                          load=self.load())
+
+    def _generator(self, session: Session, sampling: Sampling) -> torch.Generator | None:
+        if sampling.greedy:
+            return None
+        if session.generator is None or sampling.seed is not None and session.seed != sampling.seed:
+            session.generator = torch.Generator().manual_seed(
+                sampling.seed if sampling.seed is not None else torch.seed())
+            session.seed = sampling.seed
+        return session.generator
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class BatchScheduler:
+    """Collects rounds from concurrent requests and runs them in batches on the model thread."""
+
+    def __init__(self, engine: VerifierEngine, max_batch_size: int, window_s: float) -> None:
+        self.engine, self.max_batch_size, self.window_s = engine, max(1, max_batch_size), window_s
+        self._queue: list[tuple[_Item, int | None]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.running = 0
+        self._recent: dict[str, float] = {}  # session id -> last submit time
+
+    def _others_active(self, horizon_s: float = 0.25) -> bool:
+        """Wait for company only if more than one session submitted rounds lately (a lone client never
+        pays the batching window)."""
+        now = time.perf_counter()
+        for sid in [sid for sid, t in self._recent.items() if now - t > horizon_s]:
+            del self._recent[sid]
+        return len(self._recent) > 1
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, item: _Item, limit: int | None = None) -> RoundReply:
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._loop())
+        item.future = loop.create_future()
+        item.enqueued = time.perf_counter()
+        self._recent[item.session.id] = item.enqueued
+        self._queue.append((item, limit))
+        self._wake.set()
+        outcome: _Outcome = await item.future
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.reply
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._queue:
+                continue
+            if len(self._queue) < self.max_batch_size and self.window_s > 0 and self._others_active():
+                await asyncio.sleep(self.window_s)  # let concurrent rounds join this batch
+            while self._queue:
+                batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
+                items = [b[0] for b in batch]
+                self.running = len(items)
+                for it in items:
+                    it.session.busy += 1
+                try:
+                    outcomes = await self.engine.run_on_model(self.engine.execute, items, [b[1] for b in batch])
+                except Exception as e:  # the whole pass failed: every item gets the error
+                    outcomes = [_Outcome(error=e) for _ in items]
+                finally:
+                    for it in items:
+                        it.session.busy -= 1
+                    self.running = 0
+                for it, out in zip(items, outcomes, strict=True):
+                    if not it.future.done():
+                        it.future.set_result(out)
+
+
+class _session_guard:
+    """One request at a time per session (a second one waits; it then sees the new committed length)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    async def __aenter__(self) -> None:
+        if self.session.async_lock is None:
+            self.session.async_lock = asyncio.Lock()
+        await self.session.async_lock.acquire()
+        self.session.busy += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.session.busy -= 1
+        self.session.async_lock.release()
+
+
+def _proposal(draft: Draft) -> DraftProposal:
+    probs = None
+    if draft.q is not None:
+        probs = tuple(_sparse(q) for q in draft.q)
+    parents = tuple(draft.parents) if draft.parents is not None else None
+    return DraftProposal(tokens=tuple(draft.tokens), parents=parents, draft_probs=probs, source=draft.source)
+
+
+def _sparse(q: SparseQ) -> SparseDist:
+    return SparseDist(ids=tuple(q.ids), probs=tuple(q.probs))
+
+
+def _sampling_params(s: Sampling) -> SamplingParams:
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+

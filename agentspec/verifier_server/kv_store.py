@@ -1,0 +1,199 @@
+"""Sessions and their KV caches: ownership by API key, LRU eviction under a memory cap, prefix reuse.
+
+A :class:`Session` holds the committed tokens and the target's KV cache for a prefix of them
+(``num_cached`` positions, always ``tokens[:num_cached]``). Closed sessions stay in the store as
+reusable prefixes until memory is needed. The store never guesses: an evicted id is remembered (for a
+while) so the client gets ``session_evicted`` and resends its prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentspec import models
+from agentspec.protocol import SESSION_EVICTED, SESSION_NOT_FOUND, ProtocolError
+
+
+def key_owner(api_key: str | None) -> str:
+    """A stable, non-reversible owner tag for an API key (sessions never store the key itself)."""
+    return hashlib.sha256((api_key or "").encode()).hexdigest()[:16]
+
+
+@dataclass
+class Session:
+    """Server-side state of one sequence."""
+
+    id: str
+    owner: str
+    tokens: list[int]
+    num_prompt_tokens: int
+    cache: Any
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    num_cached: int = 0
+    closed: bool = False
+    busy: int = 0  # rounds in flight; a busy session is never evicted
+    last_used: float = field(default_factory=time.monotonic)
+    nbytes: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    seed: int | None = None
+    async_lock: Any = None  # asyncio.Lock, created on the server's event loop
+    drafter: Any = None  # server mode: this session's drafter (with its own KV cache)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+
+class KVStore:
+    """All sessions of one server, under a session-count and a KV-memory cap."""
+
+    def __init__(self, model: Any, max_sessions: int, capacity_bytes: int, remember_evicted: int = 4096) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.model = model
+        self.max_sessions = max_sessions
+        self.capacity_bytes = capacity_bytes
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # LRU order: oldest first
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self._remember = remember_evicted
+        self._lock = threading.RLock()
+        self.evictions = 0
+
+    # -- lookup ------------------------------------------------------------------------------------
+
+    def get(self, session_id: str, owner: str) -> Session:
+        """The open session ``session_id`` of ``owner``; another key's session is reported as not found."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None or s.closed or not hmac.compare_digest(s.owner, owner):
+                if session_id in self._evicted:
+                    raise ProtocolError(f"session {session_id} was evicted (KV memory or session limit); open "
+                                        "a new session with your full prefix", code=SESSION_EVICTED, status=404)
+                raise ProtocolError(f"no open session {session_id} for this API key; open a new session with "
+                                    "your full prefix", code=SESSION_NOT_FOUND, status=404)
+            s.last_used = time.monotonic()
+            self._sessions.move_to_end(session_id)
+            return s
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self._sessions.values())
+
+    def num_open(self) -> int:
+        with self._lock:
+            return sum(not s.closed for s in self._sessions.values())
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def create(self, owner: str, tokens: list[int], max_new_tokens: int, stop_token_ids: frozenset[int]
+               ) -> tuple[Session, int]:
+        """A new session for ``tokens``; its cache starts from the longest cached prefix ``owner`` has.
+
+        Returns the session and how many positions were reused.
+        """
+        with self._lock:
+            self._make_room_for_session()
+            donor, reuse = self._best_prefix(owner, tokens)
+            cache = models.new_cache(self.model)
+            if donor is not None and reuse > 0:
+                cache = models.copy_cache_prefix(self.model, donor.cache, reuse)
+            session = Session(id="s-" + secrets.token_urlsafe(12), owner=owner, tokens=list(tokens),
+                              num_prompt_tokens=len(tokens), cache=cache, max_new_tokens=max_new_tokens,
+                              stop_token_ids=stop_token_ids, num_cached=reuse)
+            session.nbytes = models.cache_nbytes(cache)
+            self._sessions[session.id] = session
+            return session, reuse
+
+    def close(self, session_id: str, owner: str) -> None:
+        """Close a session; its KV stays as a reusable prefix until memory is needed."""
+        with self._lock:
+            s = self.get(session_id, owner)
+            s.closed = True
+            self._sessions.move_to_end(session_id, last=False)  # first to go when memory is needed
+
+    def release(self, session: Session) -> None:
+        """Close ``session`` if it is still stored (no error if it was evicted meanwhile)."""
+        with self._lock:
+            if self._sessions.get(session.id) is session:
+                session.closed = True
+                self._sessions.move_to_end(session.id, last=False)
+
+    def drop(self, session_id: str) -> None:
+        """Forget a session entirely (e.g. one created for a single OpenAI request)."""
+        with self._lock:
+            self._sessions.pop(session_id, None)
+
+    def update_size(self, session: Session) -> None:
+        """Re-measure a session's KV bytes after a round and evict others if over the cap."""
+        with self._lock:
+            session.nbytes = models.cache_nbytes(session.cache)
+            self._evict_until(self.capacity_bytes, keep=session.id)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _best_prefix(self, owner: str, tokens: list[int]) -> tuple[Session | None, int]:
+        """The owner's session sharing the longest cached prefix with ``tokens`` (at most len - 1)."""
+        best, best_len = None, 0
+        limit = len(tokens) - 1  # the last prompt token is always run, to get its logits
+        for s in self._sessions.values():
+            if s.owner != owner or s.busy:
+                continue
+            n = _common_prefix_len(s.tokens, tokens, min(s.num_cached, limit))
+            if n > best_len:
+                best, best_len = s, n
+        return best, best_len
+
+    def _make_room_for_session(self) -> None:
+        while len(self._sessions) >= self.max_sessions:
+            victim = self._victim()
+            if victim is None:
+                raise ProtocolError(f"all {self.max_sessions} sessions are busy (--max-sessions); retry shortly",
+                                    code="server_busy", status=503)
+            self._evict(victim)
+
+    def _evict_until(self, capacity: int, keep: str | None = None) -> None:
+        while sum(s.nbytes for s in self._sessions.values()) > capacity:
+            victim = self._victim(keep)
+            if victim is None:
+                return  # only busy sessions left: they finish their round, then become evictable
+            self._evict(victim)
+
+    def _victim(self, keep: str | None = None) -> Session | None:
+        closed = [s for s in self._sessions.values() if s.closed and not s.busy and s.id != keep]
+        if closed:
+            return closed[0]
+        idle = [s for s in self._sessions.values() if not s.busy and s.id != keep]
+        return idle[0] if idle else None  # LRU order
+
+    def _evict(self, s: Session) -> None:
+        self._sessions.pop(s.id, None)
+        s.cache = s.drafter = None
+        if not s.closed:
+            self._evicted[s.id] = None
+            while len(self._evicted) > self._remember:
+                self._evicted.popitem(last=False)
+        self.evictions += 1
+
+
+def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a[:limit], b[:limit], strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,242 @@
+"""``/v1/chat/completions``: OpenAI-compatible generation with server-side speculation.
+
+The request is rendered with the target's chat template (tools included), run in a one-off session
+(reusing any cached prefix of the same API key), decoded with the server's drafter when one is loaded
+(``server`` mode) or plainly (``server-ar``), and returned as an OpenAI response or SSE stream. Tool
+calls are parsed incrementally from verified text only and emitted as OpenAI tool-call deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from agentspec.protocol import Generate, OpenSession, Sampling
+from agentspec.toolcalls import ToolCallParser, normalise_tools
+from agentspec.verifier_server.engine import VerifierEngine
+
+
+class ChatRequest(BaseModel):
+    """The subset of OpenAI's chat-completions request agentspec honours (unknown fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0)
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, m in enumerate(v):
+            if not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}] needs a string 'role'")
+            if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
+                raise ValueError(f"messages[{i}].role {m['role']!r} is not one of system, developer, user, "
+                                 "assistant, tool")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, t in enumerate(v or ()):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': …, "
+                                 "'parameters': {…}}}}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return v
+
+    @model_validator(mode="after")
+    def _choice(self) -> ChatRequest:
+        names = {t["function"]["name"] for t in self.tools or ()}
+        tc = self.tool_choice
+        if isinstance(tc, str) and tc not in ("auto", "none", "required"):
+            raise ValueError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
+                             "'function': {'name': …}}")
+        if isinstance(tc, dict):
+            name = (tc.get("function") or {}).get("name")
+            if name not in names:
+                raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        if tc in ("required",) and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        rf = self.response_format
+        if rf is not None and rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema'")
+        if rf is not None and rf.get("type") == "json_schema" and not isinstance(rf.get("json_schema"), dict):
+            raise ValueError("response_format json_schema needs a 'json_schema' object")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class _Decoder:
+    """Token ids → text deltas, holding back an incomplete multi-byte character."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+
+async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner: str
+                                 ) -> AsyncIterator[dict[str, Any]]:
+    """Yield OpenAI ``chat.completion.chunk`` dicts; the last one carries usage."""
+    tools = normalise_tools(req.tools) if req.tool_choice != "none" else None
+    messages = req.messages
+    if isinstance(req.tool_choice, dict):
+        name = req.tool_choice["function"]["name"]
+        messages = [*messages[:-1], _nudge(messages[-1], f"Call the function {name}.")]
+    elif req.tool_choice == "required":
+        messages = [*messages[:-1], _nudge(messages[-1], "Answer with a function call.")]
+    info = await engine.open_session(OpenSession(messages=messages, tools=tools), owner)
+    session = engine.store.get(info.session_id, owner)
+    created, cid = int(time.time()), "chatcmpl-" + uuid.uuid4().hex[:24]
+    model = req.model or engine.config.served_model_name
+    max_new = req.max_completion_tokens or req.max_tokens or 512
+    sampling = Sampling(temperature=req.temperature or 0.0, top_p=req.top_p or 1.0, seed=req.seed)
+    mode: Literal["server", "server-ar"] = "server" if engine.draft_model is not None else "server-ar"
+    gen = Generate(base_len=info.committed_len, mode=mode, max_new_tokens=max_new, sampling=sampling)
+    decoder = _Decoder(engine.target.tokenizer)
+    parser = ToolCallParser(tools_enabled=bool(tools))
+    stops, held = req.stops, ""
+    n_completion, finish, calls = 0, "stop", 0
+    drafted = accepted = rounds = 0
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+    yield chunk({"role": "assistant", "content": ""})
+    rounds_iter = engine.generate(session, gen)
+    try:
+        async for reply in rounds_iter:
+            rounds += 1
+            drafted += reply.drafted
+            accepted += reply.accepted
+            ids = [t for t in reply.tokens if t not in session.stop_token_ids]
+            n_completion += len(reply.tokens)
+            text = held + decoder.add(ids)
+            held = ""
+            if stops:
+                cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    text, reply.finished, reply.finish_reason = text[:cut], True, "stop"
+                else:
+                    keep = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+                    text, held = (text[: len(text) - keep], text[len(text) - keep :]) if keep else (text, "")
+            for ev in parser.feed(text):
+                for c in _events_to_deltas(ev, calls):
+                    calls += bool(ev.call)
+                    yield chunk(c)
+            if reply.finished:
+                finish = reply.finish_reason or "stop"
+                break
+        for ev in parser.feed(held) + parser.finish():
+            for c in _events_to_deltas(ev, calls):
+                calls += bool(ev.call)
+                yield chunk(c)
+    finally:
+        await rounds_iter.aclose()
+        engine.store.release(session)  # its KV stays reusable as the next step's prefix
+    if calls and finish == "stop":
+        finish = "tool_calls"
+    usage = {"prompt_tokens": len(info.prompt_ids), "completion_tokens": n_completion,
+             "total_tokens": len(info.prompt_ids) + n_completion,
+             "prompt_tokens_details": {"cached_tokens": info.reused_tokens}}
+    last = chunk({}, finish)
+    last["usage"] = usage
+    last["agentspec"] = {"mode": mode, "rounds": rounds, "drafted": drafted, "accepted": accepted,
+                         "mean_accepted_length": n_completion / rounds if rounds else 0.0}
+    yield last
+
+
+def _nudge(message: dict[str, Any], hint: str) -> dict[str, Any]:
+    if message.get("role") != "user" or not isinstance(message.get("content"), str):
+        return message
+    return {**message, "content": f"{message['content']}\n\n{hint}"}
+
+
+def _events_to_deltas(ev: Any, index: int) -> list[dict[str, Any]]:
+    if ev.call is None:
+        return [{"content": ev.text}] if ev.text else []
+    c = ev.call
+    return [{"tool_calls": [{"index": index, "id": c.id, "type": "function",
+                             "function": {"name": c.name, "arguments": ""}}]},
+            {"tool_calls": [{"index": index, "function": {"arguments": c.arguments}}]}]
+
+
+async def chat_completion(engine: VerifierEngine, req: ChatRequest, owner: str) -> dict[str, Any]:
+    """The non-streaming response, aggregated from the same events."""
+    content, calls, finish, usage, extra = "", {}, "stop", None, None
+    async for ch in chat_completion_events(engine, req, owner):
+        delta = ch["choices"][0]["delta"]
+        content += delta.get("content") or ""
+        for tc in delta.get("tool_calls") or ():
+            slot = calls.setdefault(tc["index"], {"id": "", "type": "function",
+                                                   "function": {"name": "", "arguments": ""}})
+            slot["id"] = tc.get("id") or slot["id"]
+            slot["function"]["name"] += (tc.get("function") or {}).get("name") or ""
+            slot["function"]["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+        finish = ch["choices"][0]["finish_reason"] or finish
+        usage, extra = ch.get("usage", usage), ch.get("agentspec", extra)
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "object": "chat.completion", "created": int(time.time()),
+            "model": req.model or engine.config.served_model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": usage, "agentspec": extra}
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def stream_chunks(engine: VerifierEngine, req: ChatRequest, owner: str) -> AsyncIterator[bytes]:
+    include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+    async def gen() -> AsyncIterator[bytes]:
+        async for ch in chat_completion_events(engine, req, owner):
+            usage = ch.pop("usage", None)
+            ch.pop("agentspec", None)
+            yield sse(ch)
+            if usage is not None and include_usage:
+                yield sse({"id": ch["id"], "object": "chat.completion.chunk", "created": ch["created"],
+                           "model": ch["model"], "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
+
+    return gen()
+

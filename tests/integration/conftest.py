@@ -1,0 +1,1 @@
+"""Integration tests: real servers on loopback only."""

@@ -1,0 +1,90 @@
+"""A real agentspec-verifier on 127.0.0.1 (port 0) in a background thread, and a minimal edge-mode loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import uvicorn
+
+from agentspec.drafters.base import DraftContext, Drafter
+from agentspec.models import LoadedModel
+from agentspec.types import SamplingParams
+from agentspec.verifier_server.app import create_app
+from agentspec.verifier_server.engine import ServerConfig, VerifierEngine
+from agentspec.verifier_server.metrics import Metrics
+
+
+class LoopbackServer:
+    """Start with ``with LoopbackServer(target, config) as srv:``; ``srv.url`` is the base URL."""
+
+    def __init__(self, target: LoadedModel, config: ServerConfig | None = None,
+                 draft_model: LoadedModel | None = None, warm: bool = True) -> None:
+        self.engine = VerifierEngine(target, config or ServerConfig(served_model_name="tiny"),
+                                     draft_model=draft_model, metrics=Metrics("tiny"))
+        if warm:
+            self.engine.warm_up()
+        cfg = uvicorn.Config(create_app(self.engine), host="127.0.0.1", port=0, log_level="warning",
+                             lifespan="off")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LoopbackServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("loopback server did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.shutdown()
+
+
+@dataclass
+class EdgeResult:
+    tokens: list[int]
+    finish_reason: str
+    rounds: list[dict]
+
+
+def edge_generate(client: httpx.Client, prompt: list[int], drafter: Drafter | None, k: int, max_new: int,
+                  sampling: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> EdgeResult:
+    """Open a session and run edge-mode rounds with a local drafter until the server says finished."""
+    r = client.post("/v1/spec/sessions", json={"prompt_ids": prompt, "max_new_tokens": max_new}, headers=headers)
+    r.raise_for_status()
+    sid = r.json()["session_id"]
+    tokens = list(prompt)
+    params = SamplingParams(**(sampling or {}))
+    rounds: list[dict] = []
+    if drafter is not None:
+        drafter.reset()
+    while True:
+        draft: dict[str, Any] = {"tokens": []}
+        if drafter is not None and k > 0:
+            ctx = DraftContext(tokens, len(prompt), params, None)
+            proposal = drafter.propose(ctx, k)
+            draft = {"tokens": list(proposal.tokens)}
+            if proposal.is_tree:
+                draft["parents"] = list(proposal.parents)
+        body = {"base_len": len(tokens), "draft": draft, "sampling": sampling or {}}
+        r = client.post(f"/v1/spec/sessions/{sid}/rounds", json=body, headers=headers)
+        r.raise_for_status()
+        reply = r.json()
+        rounds.append(reply)
+        tokens.extend(reply["tokens"])
+        assert reply["committed_len"] == len(tokens)
+        if reply["finished"]:
+            return EdgeResult(tokens[len(prompt) :], reply["finish_reason"], rounds)
+
+
+def config(**kw: Any) -> ServerConfig:
+    return replace(ServerConfig(served_model_name="tiny"), **kw)

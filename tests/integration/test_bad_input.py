@@ -1,0 +1,191 @@
+"""Every field of every endpoint, fed garbage: each answered with a 4xx that names the problem, and the
+server keeps serving (a good session opened before the barrage still produces its exact output)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.helpers import VOCAB, make_prompt, plain_greedy
+from tests.integration.server import LoopbackServer, config
+
+pytestmark = pytest.mark.integration
+PROMPT = make_prompt(0)
+GOOD_ROUND = {"base_len": len(PROMPT)}
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    with LoopbackServer(target, config(max_draft_tokens=8, max_model_len=256, max_body_bytes=64 * 1024)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def session(client):
+    """A good session that must be unaffected by every bad request."""
+    info = client.post("/v1/spec/sessions", json={"prompt_ids": PROMPT, "max_new_tokens": 24}).json()
+    return info["session_id"]
+
+
+def _round(**over):
+    body = json.loads(json.dumps(GOOD_ROUND))
+    for k, v in over.items():
+        body[k] = v
+    return body
+
+
+OPEN_CASES = {
+    "no prompt": {},
+    "both prompt and messages": {"prompt_ids": [2, 3], "messages": [{"role": "user", "content": "x"}]},
+    "empty prompt": {"prompt_ids": []},
+    "prompt wrong type": {"prompt_ids": "hello"},
+    "prompt negative id": {"prompt_ids": [2, -1]},
+    "prompt id >= vocab": {"prompt_ids": [2, VOCAB]},
+    "prompt huge id": {"prompt_ids": [2, 10**30]},
+    "prompt too long": {"prompt_ids": [2] * 300},
+    "max_new_tokens zero": {"prompt_ids": [2, 3], "max_new_tokens": 0},
+    "max_new_tokens negative": {"prompt_ids": [2, 3], "max_new_tokens": -5},
+    "max_new_tokens string": {"prompt_ids": [2, 3], "max_new_tokens": "many"},
+    "unknown field": {"prompt_ids": [2, 3], "bogus": 1},
+    "messages not a list": {"messages": "hi"},
+    "empty messages": {"messages": []},
+    "stop ids negative": {"prompt_ids": [2, 3], "stop_token_ids": [-3]},
+    "wrong protocol version": {"prompt_ids": [2, 3], "protocol_version": 99},
+}
+
+ROUND_CASES = {
+    "missing base_len": {"draft": {"tokens": [2]}},
+    "base_len zero": _round(base_len=0),
+    "base_len negative": _round(base_len=-4),
+    "base_len huge": _round(base_len=10**12),
+    "base_len string": _round(base_len="forty"),
+    "new_tokens id >= vocab": _round(new_tokens=[VOCAB + 5]),
+    "new_tokens negative": _round(new_tokens=[-1]),
+    "draft too long": _round(draft={"tokens": [2] * 9}),
+    "draft id >= vocab": _round(draft={"tokens": [2, VOCAB]}),
+    "draft not a list": _round(draft={"tokens": 5}),
+    "draft float ids": _round(draft={"tokens": [2.5]}),
+    "parents wrong length": _round(draft={"tokens": [2, 3], "parents": [-1]}),
+    "parents cycle": _round(draft={"tokens": [2, 3], "parents": [1, 0]}),
+    "parents self": _round(draft={"tokens": [2, 3], "parents": [-1, 1]}),
+    "parents out of range": _round(draft={"tokens": [2, 3], "parents": [-1, 7]}),
+    "parents below root": _round(draft={"tokens": [2], "parents": [-2]}),
+    "q on greedy round": _round(draft={"tokens": [2], "q": [{"ids": [2], "probs": [1.0]}]}),
+    "sampled without q": _round(draft={"tokens": [2]}, sampling={"temperature": 1.0}),
+    "q nan": _round(draft={"tokens": [2], "q": [{"ids": [2], "probs": [float("nan")]}]},
+                    sampling={"temperature": 1.0}),
+    "q negative": _round(draft={"tokens": [2], "q": [{"ids": [2, 3], "probs": [0.5, -0.1]}]},
+                         sampling={"temperature": 1.0}),
+    "q unnormalised": _round(draft={"tokens": [2], "q": [{"ids": [2, 3], "probs": [0.9, 0.9]}]},
+                             sampling={"temperature": 1.0}),
+    "q misses drafted token": _round(draft={"tokens": [2], "q": [{"ids": [3], "probs": [1.0]}]},
+                                     sampling={"temperature": 1.0}),
+    "q length mismatch": _round(draft={"tokens": [2, 3], "q": [{"ids": [2], "probs": [1.0]}]},
+                                sampling={"temperature": 1.0}),
+    "q ids >= vocab": _round(draft={"tokens": [2], "q": [{"ids": [2, VOCAB], "probs": [0.5, 0.5]}]},
+                             sampling={"temperature": 1.0}),
+    "q duplicate ids": _round(draft={"tokens": [2], "q": [{"ids": [2, 2], "probs": [0.5, 0.5]}]},
+                              sampling={"temperature": 1.0}),
+    "temperature negative": _round(sampling={"temperature": -1}),
+    "temperature huge": _round(sampling={"temperature": 1e9}),
+    "top_p zero": _round(sampling={"top_p": 0}),
+    "top_k negative": _round(sampling={"top_k": -2}),
+    "unknown sampling field": _round(sampling={"beam": 4}),
+}
+
+CHAT_CASES = {
+    "no messages": {"model": "tiny"},
+    "empty messages": {"messages": []},
+    "bad role": {"messages": [{"role": "wizard", "content": "x"}]},
+    "message without role": {"messages": [{"content": "x"}]},
+    "max_tokens zero": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+    "temperature > 2": {"messages": [{"role": "user", "content": "x"}], "temperature": 3},
+    "n = 2": {"messages": [{"role": "user", "content": "x"}], "n": 2},
+    "bad tool": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+    "tool_choice unknown name": {"messages": [{"role": "user", "content": "x"}],
+                                 "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                                 "tool_choice": {"type": "function", "function": {"name": "g"}}},
+    "tool_choice bad string": {"messages": [{"role": "user", "content": "x"}], "tool_choice": "always"},
+    "required without tools": {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+    "bad response_format": {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+    "too many stops": {"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]},
+    "unknown model": {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
+}
+
+
+def _still_serving(client, session):
+    r = client.get(f"/v1/spec/sessions/{session}")
+    assert r.status_code == 200, r.text
+    assert client.get("/health").status_code == 200
+
+
+def _assert_4xx(r: httpx.Response) -> None:
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["message"] and isinstance(err["message"], str)
+
+
+@pytest.mark.parametrize("case", sorted(OPEN_CASES))
+def test_open_session_rejects(client, session, case):
+    r = client.post("/v1/spec/sessions", json=OPEN_CASES[case])
+    _assert_4xx(r)
+    _still_serving(client, session)
+
+
+@pytest.mark.parametrize("case", sorted(ROUND_CASES))
+def test_round_rejects(client, session, case):
+    body = json.dumps(ROUND_CASES[case])  # allow_nan: the NaN case must reach the server as JSON's NaN
+    r = client.post(f"/v1/spec/sessions/{session}/rounds", content=body, headers={"content-type": "application/json"})
+    _assert_4xx(r)
+    _still_serving(client, session)
+
+
+@pytest.mark.parametrize("case", sorted(CHAT_CASES))
+def test_chat_rejects(client, session, case):
+    r = client.post("/v1/chat/completions", json=CHAT_CASES[case])
+    _assert_4xx(r)
+    _still_serving(client, session)
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"null", b"\xff\xfe", b""])
+@pytest.mark.parametrize("path", ["/v1/spec/sessions", "/v1/spec/sessions/{sid}/rounds", "/v1/chat/completions",
+                                  "/v1/spec/sessions/{sid}/generate"])
+def test_malformed_json(client, session, body, path):
+    r = client.post(path.format(sid=session), content=body, headers={"content-type": "application/json"})
+    _assert_4xx(r)
+    _still_serving(client, session)
+
+
+def test_huge_body_is_413(client, session):
+    r = client.post("/v1/spec/sessions", json={"prompt_ids": [2] * 100_000})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    _still_serving(client, session)
+
+
+def test_unknown_session_and_generate_bad_fields(client, session):
+    r = client.post("/v1/spec/sessions/s-nope/rounds", json=GOOD_ROUND)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    for body in ({"base_len": len(PROMPT), "mode": "warp"}, {"base_len": len(PROMPT), "max_new_tokens": 0},
+                 {"base_len": len(PROMPT), "num_draft_tokens": 99}, {"base_len": len(PROMPT) + 3}):
+        _assert_4xx(client.post(f"/v1/spec/sessions/{session}/generate", json=body))
+    _still_serving(client, session)
+
+
+def test_good_session_kept_its_tokens(client, session, target):
+    """After the whole barrage (module order: this runs last), the good session gives the exact output."""
+    tokens: list[int] = []
+    while True:
+        r = client.post(f"/v1/spec/sessions/{session}/rounds", json={"base_len": len(PROMPT) + len(tokens)})
+        assert r.status_code == 200, r.text
+        tokens += r.json()["tokens"]
+        if r.json()["finished"]:
+            break
+    assert tokens == plain_greedy(target, PROMPT, 24)

@@ -1,0 +1,179 @@
+"""agentspec-verifier over real HTTP on loopback, with tiny models: losslessness, batching, auth, limits."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import pytest
+
+from agentspec.drafters import ModelDrafter, NgramDrafter
+from tests.helpers import make_prompt, plain_greedy
+from tests.integration.server import LoopbackServer, config, edge_generate
+
+pytestmark = pytest.mark.integration
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    with LoopbackServer(target, config(batch_window_s=0.005)) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    return {s: plain_greedy(target, make_prompt(s), MAX_NEW) for s in range(4)}
+
+
+def test_health_and_metrics(client):
+    assert client.get("/health").json()["status"] == "ok"
+    r = client.get("/metrics")
+    assert r.status_code == 200 and "agentspec:spec_decode_num_drafts" in r.text
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+@pytest.mark.parametrize("kind", ["none", "self", "wrong", "ngram", "tree"])
+def test_edge_rounds_equal_plain_greedy(client, target, wrong_drafter_model, references, kind):
+    drafter = {"none": None, "self": ModelDrafter(target), "wrong": ModelDrafter(wrong_drafter_model),
+               "ngram": NgramDrafter(max_ngram=3), "tree": ModelDrafter(wrong_drafter_model, tree_width=3)}[kind]
+    out = edge_generate(client, make_prompt(0), drafter, k=4, max_new=MAX_NEW)
+    assert out.tokens == references[0]
+    assert out.finish_reason == "length"
+    if kind == "self":
+        assert all(r["accepted"] == r["drafted"] for r in out.rounds[:-1])
+
+
+@pytest.mark.parametrize("mode", ["server", "server-ar"])
+def test_server_modes_equal_plain_greedy(client, references, mode):
+    prompt = make_prompt(1)
+    sid = client.post("/v1/spec/sessions", json={"prompt_ids": prompt}).json()["session_id"]
+    with client.stream("POST", f"/v1/spec/sessions/{sid}/generate",
+                       json={"base_len": len(prompt), "mode": mode, "max_new_tokens": MAX_NEW}) as r:
+        assert r.status_code == 200
+        import json
+        replies = [json.loads(line) for line in r.iter_lines() if line]
+    tokens = [t for rep in replies for t in rep["tokens"]]
+    assert tokens == references[1]
+    assert replies[-1]["finished"] and replies[-1]["finish_reason"] == "length"
+    if mode == "server-ar":
+        assert all(rep["drafted"] == 0 for rep in replies)
+
+
+def test_concurrent_clients_match_alone_and_get_batched(server, target, references):
+    """Eight clients at once: each gets exactly its solo output; some rounds shared a batched pass."""
+
+    def one(seed: int) -> tuple[list[int], list[dict]]:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            out = edge_generate(c, make_prompt(seed % 4), ModelDrafter(target) if seed % 2 else NgramDrafter(),
+                                k=3, max_new=MAX_NEW)
+            return out.tokens, out.rounds
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    for seed, (tokens, _) in enumerate(results):
+        assert tokens == references[seed % 4]
+    assert max(r["timings"]["batch_size"] for _, rounds in results for r in rounds) > 1
+
+
+def test_stop_token_ends_the_session(client, target):
+    prompt = make_prompt(2)
+    ref = plain_greedy(target, prompt, MAX_NEW)
+    stop = ref[10]
+    sid = client.post("/v1/spec/sessions", json={"prompt_ids": prompt, "stop_token_ids": [stop]}).json()["session_id"]
+    tokens = []
+    while True:
+        rep = client.post(f"/v1/spec/sessions/{sid}/rounds", json={"base_len": len(prompt) + len(tokens)}).json()
+        tokens += rep["tokens"]
+        if rep["finished"]:
+            break
+    assert tokens == ref[: ref.index(stop) + 1] and rep["finish_reason"] == "stop"
+    r = client.post(f"/v1/spec/sessions/{sid}/rounds", json={"base_len": len(prompt) + len(tokens)})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "session_finished"
+
+
+def test_base_len_mismatch_says_resend(client):
+    prompt = make_prompt(3)
+    sid = client.post("/v1/spec/sessions", json={"prompt_ids": prompt}).json()["session_id"]
+    r = client.post(f"/v1/spec/sessions/{sid}/rounds", json={"base_len": len(prompt) + 5})
+    assert r.status_code == 409
+    err = r.json()["error"]
+    assert err["code"] == "base_len_mismatch" and err["committed_len"] == len(prompt)
+    assert client.post(f"/v1/spec/sessions/{sid}/rounds", json={"base_len": len(prompt)}).status_code == 200
+
+
+def test_prefix_reuse_gives_same_output(client, target, references):
+    prompt = make_prompt(0)
+    first = client.post("/v1/spec/sessions", json={"prompt_ids": prompt}).json()
+    assert first["reused_tokens"] == 0 or first["reused_tokens"] < len(prompt)
+    client.delete(f"/v1/spec/sessions/{first['session_id']}")
+    longer = prompt + references[0][:8]
+    info = client.post("/v1/spec/sessions", json={"prompt_ids": longer, "max_new_tokens": 16}).json()
+    assert info["reused_tokens"] >= len(prompt) - 1
+    tokens = []
+    while True:
+        rep = client.post(f"/v1/spec/sessions/{info['session_id']}/rounds",
+                          json={"base_len": len(longer) + len(tokens)}).json()
+        tokens += rep["tokens"]
+        if rep["finished"]:
+            break
+    assert tokens == plain_greedy(target, longer, 16)
+
+
+def test_messages_are_rendered_server_side(client, target):
+    msgs = [{"role": "user", "content": "hi there"}]
+    info = client.post("/v1/spec/sessions", json={"messages": msgs}).json()
+    expected = target.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)
+    assert info["prompt_ids"] == list(expected)
+
+
+def test_auth_keys_and_session_ownership(target):
+    with LoopbackServer(target, config(api_keys=("key-a", "key-b"))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        prompt = make_prompt(0)
+        assert c.get("/health").status_code == 200  # no auth
+        assert c.get("/metrics").status_code == 200  # no auth
+        r = c.post("/v1/spec/sessions", json={"prompt_ids": prompt})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        r = c.post("/v1/spec/sessions", json={"prompt_ids": prompt}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models").status_code == 401
+        a = {"Authorization": "Bearer key-a"}
+        b = {"Authorization": "Bearer key-b"}
+        sid = c.post("/v1/spec/sessions", json={"prompt_ids": prompt}, headers=a).json()["session_id"]
+        r = c.post(f"/v1/spec/sessions/{sid}/rounds", json={"base_len": len(prompt)}, headers=b)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+        assert c.post(f"/v1/spec/sessions/{sid}/rounds", json={"base_len": len(prompt)}, headers=a).status_code == 200
+        # key b never reuses key a's cached prefix
+        assert c.post("/v1/spec/sessions", json={"prompt_ids": prompt}, headers=b).json()["reused_tokens"] == 0
+
+
+def test_eviction_under_kv_cap_and_resend(target, references):
+    one_session = 2 * 2 * 2 * 16 * 4 * 72  # layers * (k, v) * kv heads * head dim * fp32 bytes * ~72 positions
+    with LoopbackServer(target, config(kv_cache_memory=int(one_session * 2.5))) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        sids = [c.post("/v1/spec/sessions", json={"prompt_ids": make_prompt(s, 64)}).json()["session_id"]
+                for s in range(4)]
+        assert srv.engine.store.used_bytes <= int(one_session * 2.5)
+        r = c.post(f"/v1/spec/sessions/{sids[0]}/rounds", json={"base_len": 64})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "session_evicted"
+        assert srv.engine.store.evictions >= 1
+        # the newest session still works, and resending the evicted prefix gives the exact output
+        assert c.post(f"/v1/spec/sessions/{sids[-1]}/rounds", json={"base_len": 64}).status_code == 200
+        out = edge_generate(c, make_prompt(0, 64), None, 0, 8)
+        assert out.tokens == plain_greedy(target, make_prompt(0, 64), 8)
+
+
+def test_max_sessions_evicts_idle_lru(target):
+    with LoopbackServer(target, config(max_sessions=2)) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        sids = [c.post("/v1/spec/sessions", json={"prompt_ids": make_prompt(s)}).json()["session_id"]
+                for s in range(3)]
+        assert c.get(f"/v1/spec/sessions/{sids[0]}").status_code == 404
+        assert c.get(f"/v1/spec/sessions/{sids[2]}").status_code == 200
