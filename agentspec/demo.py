@@ -3,7 +3,8 @@
 Loads Qwen2.5-Coder-0.5B-Instruct (shipped inside PyPI packages, no hub), renders a few agent steps
 with tools through the model's own chat template, and generates each one twice side by side — plain
 greedy decoding and agentspec's speculative engine — printing the answer, whether the two outputs are
-identical, mean accepted length and the measured speed-up.
+identical, mean accepted length and the measured speed-up. The engine measures the verify-cost curve
+first and drafts, each round, as many tokens as pay for themselves (``agentspec.router``).
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ def run_demo(config: DemoConfig = DemoConfig()) -> int:
     params = SamplingParams(max_new_tokens=config.max_new_tokens)
     prompts = [target.tokenizer.apply_chat_template(m, tools=TOOLS, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"] for m in STEPS]
-    with console.status("warming up"):
+    with console.status("warming up; measuring the verify-cost curve (it sets how many tokens to draft)"):
         plain.generate(prompts[0], SamplingParams(max_new_tokens=8))
+        curve = spec.calibrate(prompts[0][:64], reps=2)
         spec.generate(prompts[0], SamplingParams(max_new_tokens=8))
+    console.print("verify cost t_v(k)/t_v(1): " + " ".join(f"{k}:{v / curve[1]:.2f}" for k, v in curve.items()))
     table = Table(title="plain greedy vs agentspec (n-gram copy drafter), same target, same prompts")
     for col in ("step", "identical", "tokens", "plain tok/s", "agentspec tok/s", "mean accepted", "speed-up"):
         table.add_column(col)

@@ -411,8 +411,9 @@ def forward_batch(
         for idx, layer in enumerate(merged.layers):
             if getattr(layer, "keys", None) is None:
                 continue
-            k = layer.keys[i : i + 1, :, big_l - length : big_l + q, :].contiguous()
-            v = layer.values[i : i + 1, :, big_l - length : big_l + q, :].contiguous()
+            # views into the batch's buffer, not copies: the next pass concatenates them anyway
+            k = layer.keys[i : i + 1, :, big_l - length : big_l + q, :]
+            v = layer.values[i : i + 1, :, big_l - length : big_l + q, :]
             if idx < len(c.layers) and getattr(c.layers[idx], "keys", None) is not None:
                 c.layers[idx].keys, c.layers[idx].values = k, v
             else:

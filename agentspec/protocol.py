@@ -214,9 +214,11 @@ class RoundReply(BaseModel):
     accepted: int
     drafted: int
     tokens: list[int]
+    text: str = ""  # the text these tokens add (special tokens skipped; a split character waits a round)
     committed_len: int
-    finished: bool = False
+    finished: bool = False  # this request is over (a generate call may end at its own max_new_tokens)
     finish_reason: Literal["stop", "length"] | None = None
+    session_finished: bool = False  # the session itself ended (stop token or its token limit)
     timings: Timings = Field(default_factory=Timings)
     load: Load = Field(default_factory=Load)
 

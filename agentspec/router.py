@@ -246,3 +246,117 @@ class DraftLengthPolicy:
             per_token = draft_s / drafted
             old = self.draft_seconds_per_token
             self.draft_seconds_per_token = per_token if old == 0 else 0.8 * old + 0.2 * per_token
+
+
+@dataclass
+class ModePolicy:
+    """Picks the mode of the next segment of a request from measured costs (design.md's modes).
+
+    * Each mode's seconds per committed token is tracked from finished segments (EMA). A mode with no
+      measurement yet is tried first (optimistic start), then every ``probe_every`` segments the least
+      recently tried mode is probed so its estimate stays fresh.
+    * Edge mode's γ comes from its own :class:`DraftLengthPolicy`, whose cost per round is the round's
+      wall time minus local drafting: RTT + t_v(γ) as the client sees it.
+    * A switch needs the challenger to be ``hysteresis`` cheaper than the current mode (no flapping).
+    * A saturated server (rounds waiting) makes server-side drafting cost extra (``busy_penalty``): edge
+      drafting saves the server the drafter's compute (capacity ratio ``1 + γ·t_ds/t_v``).
+    * ``api`` is never chosen automatically while a verifier works: it runs another model.
+    """
+
+    has_drafter: bool = True
+    has_api: bool = False
+    hysteresis: float = 0.10
+    probe_every: int = 8
+    busy_penalty: float = 1.25
+    ema: float = 0.3
+    seconds_per_token: dict[str, float] = field(default_factory=dict)
+    last_used: dict[str, int] = field(default_factory=dict)
+    last_predictions: dict[str, float] = field(default_factory=dict)
+    edge: DraftLengthPolicy = field(default_factory=lambda: DraftLengthPolicy(probe_every=8))
+    current: str | None = None
+    segments: int = 0
+    server_waiting: int = 0
+    server_costs: CostCurve = field(default_factory=CostCurve)  # server-reported t_v(γ)
+    alpha: dict[str, float] = field(default_factory=dict)  # per mode, accepted / drafted (EMA)
+    rtt: float | None = None  # wall − server compute − local drafting, per edge round (EMA)
+    t_ds: float | None = None  # server-side draft seconds per token (EMA)
+
+    @property
+    def modes(self) -> list[str]:
+        return (["edge"] if self.has_drafter else []) + ["server", "server-ar"]
+
+    def choose(self) -> str:
+        """The mode for the next segment."""
+        self.segments += 1
+        untried = [m for m in self.modes if m not in self.seconds_per_token]
+        self.last_predictions = {m: self.predicted(m) * 1e3 for m in self.modes}
+        if untried:
+            pick = untried[0]
+        elif self.segments % self.probe_every == 0:
+            pick = min(self.modes, key=lambda m: self.last_used.get(m, -1))
+        else:
+            best = min(self.modes, key=self.predicted)
+            pick = best
+            if self.current in self.modes and self.predicted(best) > (1 - self.hysteresis) * self.predicted(self.current):
+                pick = self.current
+            self.current = pick
+        self.last_used[pick] = self.segments
+        return pick
+
+    def predicted(self, mode: str) -> float:
+        """Expected seconds per token of ``mode`` now: measured when it has run, else the closed form."""
+        cost = self.seconds_per_token.get(mode)
+        if cost is None:
+            cost = self.closed_form(mode) or 0.0
+        if mode == "server" and self.server_waiting > 0:
+            cost *= self.busy_penalty
+        return cost
+
+    def closed_form(self, mode: str, gamma: int = 4) -> float | None:
+        """design.md's formula for ``mode`` from the round-level estimates, or None while they are missing.
+
+        edge: ``(γ·t_d + RTT + t_v(γ)) / E[A]``; server: ``(γ·t_ds + t_v(γ)) / E[A]`` (its RTT is paid once
+        per streamed line, not per round); server-ar: ``t_ar`` (= t_v(0) on the server).
+        """
+        t_v = self.server_costs.seconds(gamma)
+        t_ar = self.server_costs.seconds(0)
+        if mode == "server-ar":
+            return t_ar
+        if t_v is None:
+            return None
+        if mode == "edge" and self.rtt is not None:
+            alpha = self.alpha.get("edge")
+            if alpha is None:
+                return None
+            return edge_cost(alpha, gamma, self.edge.draft_seconds_per_token, t_v, self.rtt)
+        if mode == "server" and self.t_ds is not None and "server" in self.alpha:
+            return colocated_cost(self.alpha["server"], gamma, self.t_ds, t_v)
+        return None
+
+    def gamma(self, mode: str, k_max: int) -> int:
+        """Draft length for the next edge round."""
+        return self.edge.choose(k_max) if mode == "edge" else k_max
+
+    def observe_round(self, mode: str, drafted: int, accepted: int, emitted: int, *, wall_s: float,
+                      server_s: float, verify_s: float, draft_s: float, load: dict | None = None) -> None:
+        """One round's reply as the client saw it; ``wall_s`` is the request's wall time (drafting excluded)."""
+        if load:
+            self.server_waiting = int(load.get("waiting", 0))
+        if verify_s > 0:
+            self.server_costs.observe(drafted, verify_s)
+        if drafted:
+            a = accepted / drafted
+            self.alpha[mode] = a if mode not in self.alpha else (1 - self.ema) * self.alpha[mode] + self.ema * a
+        if mode == "server" and drafted and server_s > verify_s:
+            t = (server_s - verify_s) / drafted
+            self.t_ds = t if self.t_ds is None else (1 - self.ema) * self.t_ds + self.ema * t
+        if mode == "edge":
+            rtt = max(wall_s - server_s, 0.0)
+            self.rtt = rtt if self.rtt is None else (1 - self.ema) * self.rtt + self.ema * rtt
+            reached = min(drafted, accepted + 1)
+            self.edge.observe(drafted, reached, accepted, max(wall_s, 1e-6), draft_s)
+
+    def observe_segment(self, mode: str, seconds_per_token: float) -> None:
+        old = self.seconds_per_token.get(mode)
+        self.seconds_per_token[mode] = (seconds_per_token if old is None
+                                        else (1 - self.ema) * old + self.ema * seconds_per_token)

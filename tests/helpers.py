@@ -42,12 +42,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_model(seed: int, layers: int = 2, dtype: torch.dtype = torch.float32, vocab: int = VOCAB) -> LoadedModel:
+def tiny_model(seed: int, layers: int = 2, dtype: torch.dtype = torch.float32, vocab: int = VOCAB,
+               hidden: int = 64) -> LoadedModel:
     """A random-weight Llama-shaped model; same seed, same weights."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         bos_token_id=0, eos_token_id=EOS, pad_token_id=0,
     )

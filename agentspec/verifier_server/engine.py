@@ -193,6 +193,7 @@ class VerifierEngine:
         if new_tokens:
             session.tokens.extend(new_tokens)
             session.num_prompt_tokens = len(session.tokens)  # a new turn: max_new_tokens counts from here
+            session.text_sent = 0
             session.finished, session.finish_reason = False, None
 
     async def verify_round(self, session: Session, req: VerifyRound) -> RoundReply:
@@ -287,17 +288,17 @@ class VerifierEngine:
             if tok in s.stop_token_ids:
                 new, finish = new[: i + 1], "stop"
                 break
-        cap = s.num_prompt_tokens + s.max_new_tokens
-        if limit is not None:
-            cap = min(cap, s.num_prompt_tokens + limit)
-        cap = min(cap, self.config.max_model_len)
+        session_cap = min(s.num_prompt_tokens + s.max_new_tokens, self.config.max_model_len)
+        cap = session_cap if limit is None else min(session_cap, s.num_prompt_tokens + limit)
         if finish is None and len(s.tokens) + len(new) >= cap:
             new, finish = new[: max(cap - len(s.tokens), 0)], "length"
         s.tokens.extend(new)
-        if s.num_cached > len(s.tokens) - 1 and finish:
-            models.crop_cache(s.cache, len(s.tokens))
-            s.num_cached = min(s.num_cached, len(s.tokens))
-        s.finished, s.finish_reason = finish is not None, finish
+        if s.num_cached > len(s.tokens) - 1:  # accepted tokens cut by a stop/limit: the last one stays pending
+            models.crop_cache(s.cache, len(s.tokens) - 1)
+            s.num_cached = len(s.tokens) - 1
+        # the session ends at a stop or its own cap; a generate request's own limit only ends that request
+        session_done = finish == "stop" or len(s.tokens) >= session_cap
+        s.finished, s.finish_reason = session_done, finish if session_done else None
         s.last_used = time.monotonic()
         self.store.update_size(s)
         if item.policy is not None:
@@ -308,11 +309,22 @@ class VerifierEngine:
                                "server" if item.drafter is not None else "edge" if len(d) else "server-ar")
         queue_ms = max(0.0, (time.perf_counter() - item.enqueued - verify_s - draft_s) * 1e3)
         return RoundReply(session_id=s.id, accepted=min(result.num_accepted, len(new)), drafted=len(d),
-                          tokens=new, committed_len=len(s.tokens), finished=finish is not None,
+                          tokens=new, text=self._text_delta(s, finish is not None), committed_len=len(s.tokens),
+                          finished=finish is not None, session_finished=session_done,
                           finish_reason=finish,
                           timings=Timings(queue_ms=queue_ms, verify_ms=verify_s * 1e3, draft_ms=draft_s * 1e3,
                                           batch_size=batch_size),
                           load=self.load())
+
+    def _text_delta(self, s: Session, final: bool) -> str:
+        tok = self.target.tokenizer
+        if tok is None:
+            return ""
+        text = tok.decode(s.tokens[s.num_prompt_tokens :], skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return ""  # a multi-byte character split across rounds: wait for the rest
+        delta, s.text_sent = text[s.text_sent :], len(text)
+        return delta
 
     def _generator(self, session: Session, sampling: Sampling) -> torch.Generator | None:
         if sampling.greedy:

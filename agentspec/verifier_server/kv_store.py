@@ -49,6 +49,7 @@ class Session:
     generator: torch.Generator | None = None
     seed: int | None = None
     async_lock: Any = None  # asyncio.Lock, created on the server's event loop
+    text_sent: int = 0  # characters of the generated text already returned
     drafter: Any = None  # server mode: this session's drafter (with its own KV cache)
 
     @property

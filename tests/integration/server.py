@@ -63,18 +63,25 @@ def edge_generate(client: httpx.Client, prompt: list[int], drafter: Drafter | No
     r.raise_for_status()
     sid = r.json()["session_id"]
     tokens = list(prompt)
-    params = SamplingParams(**(sampling or {}))
+    params = SamplingParams(**{k: v for k, v in (sampling or {}).items() if k != "seed"})
     rounds: list[dict] = []
+    generator = None
+    if not params.greedy:
+        import torch
+
+        generator = torch.Generator().manual_seed((sampling or {}).get("seed") or 0)
     if drafter is not None:
         drafter.reset()
     while True:
         draft: dict[str, Any] = {"tokens": []}
         if drafter is not None and k > 0:
-            ctx = DraftContext(tokens, len(prompt), params, None)
+            ctx = DraftContext(tokens, len(prompt), params, generator)
             proposal = drafter.propose(ctx, k)
             draft = {"tokens": list(proposal.tokens)}
             if proposal.is_tree:
                 draft["parents"] = list(proposal.parents)
+            if proposal.draft_probs is not None:
+                draft["q"] = [{"ids": list(d.ids), "probs": list(d.probs)} for d in proposal.draft_probs]
         body = {"base_len": len(tokens), "draft": draft, "sampling": sampling or {}}
         r = client.post(f"/v1/spec/sessions/{sid}/rounds", json=body, headers=headers)
         r.raise_for_status()

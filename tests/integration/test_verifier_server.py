@@ -177,3 +177,27 @@ def test_max_sessions_evicts_idle_lru(target):
                 for s in range(3)]
         assert c.get(f"/v1/spec/sessions/{sids[0]}").status_code == 404
         assert c.get(f"/v1/spec/sessions/{sids[2]}").status_code == 200
+
+
+def test_sampled_edge_rounds_follow_the_target_distribution(client, target, wrong_drafter_model):
+    """Sampled drafts with their sparse q, verified over HTTP: the first token's law is the target's."""
+    import torch
+
+    from agentspec.types import SamplingParams
+    from agentspec.verify import sampling_probs
+
+    prompt = make_prompt(2, 16)
+    sampling = {"temperature": 1.5, "top_k": 3}
+    with torch.inference_mode():
+        logits = target.model(torch.tensor([prompt])).logits[0, -1]
+    p = sampling_probs(logits, SamplingParams(**sampling))
+    drafter = ModelDrafter(wrong_drafter_model)
+    counts: dict[int, int] = {}
+    n = 600
+    for seed in range(n):
+        out = edge_generate(client, prompt, drafter, k=2, max_new=1, sampling={**sampling, "seed": seed})
+        counts[out.tokens[0]] = counts.get(out.tokens[0], 0) + 1
+    assert set(counts) <= set(torch.nonzero(p).flatten().tolist())
+    tv = 0.5 * sum(abs(counts.get(t, 0) / n - float(p[t])) for t in range(p.shape[0]))
+    assert tv < 0.07, (tv, counts, p[p > 0])
+    assert any(r["drafted"] for r in out.rounds)

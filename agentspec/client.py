@@ -1,0 +1,498 @@
+"""SpecClient: one chat call, routed per segment between edge, server, server-ar and API modes.
+
+``stream()`` is the primitive; it yields typed events — :class:`TextEvent` (verified text),
+:class:`ToolCallEvent` (a complete, verified tool call), optional :class:`PreviewEvent` (unverified draft
+text), and a final :class:`FinalEvent` with usage, stop reason and statistics. ``generate()`` aggregates
+it; ``astream``/``agenerate`` are native async twins sharing the same state machine (:class:`_Run`), so
+the only difference between sync and async is the I/O.
+
+A request runs in *segments* of ``segment_tokens`` tokens; before each one the router
+(:class:`agentspec.router.ModePolicy`) picks the mode from measured costs. If the verifier fails
+mid-request, the committed tokens are re-sent to the next configured verifier (or the same one in
+server-ar mode), then to the fallback API model; nothing committed is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentspec.drafters.base import DraftContext, Drafter
+from agentspec.router import ModePolicy
+from agentspec.toolcalls import ToolCallParser
+from agentspec.transport import HTTPTransport, ResendPrefix, VerifierError, VerifierUnavailable
+from agentspec.types import SamplingParams
+
+MODES = ("auto", "edge", "server", "server-ar", "api")
+
+
+@dataclass
+class TextEvent:
+    text: str
+
+
+@dataclass
+class PreviewEvent:
+    """Draft text not yet verified: show it greyed out; it may be replaced by the next TextEvent."""
+
+    text: str
+
+
+@dataclass
+class ToolCallEvent:
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class SegmentStats:
+    mode: str
+    tokens: int
+    rounds: int
+    drafted: int
+    accepted: int
+    wall_s: float
+    server_s: float  # server-reported compute (verify + draft)
+    draft_s: float  # local drafting
+    predicted_ms_per_token: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ClientStats:
+    segments: list[SegmentStats] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
+
+    @property
+    def drafted(self) -> int:
+        return sum(s.drafted for s in self.segments)
+
+    @property
+    def accepted(self) -> int:
+        return sum(s.accepted for s in self.segments)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        rounds = sum(s.rounds for s in self.segments)
+        return sum(s.tokens for s in self.segments) / rounds if rounds else 0.0
+
+    @property
+    def network_s(self) -> float:
+        """Wall time not spent computing (server compute and local drafting excluded): RTT and overheads."""
+        return sum(max(s.wall_s - s.server_s - s.draft_s, 0.0) for s in self.segments)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"modes": [s.mode for s in self.segments], "drafted": self.drafted, "accepted": self.accepted,
+                "mean_accepted_length": self.mean_accepted_length, "network_s": self.network_s,
+                "server_s": sum(s.server_s for s in self.segments), "draft_s": sum(s.draft_s for s in self.segments),
+                "fallbacks": list(self.fallbacks),
+                "segments": [vars(s) for s in self.segments]}
+
+
+@dataclass
+class FinalEvent:
+    text: str
+    tokens: list[int]  # generated token ids committed by verifiers (API-mode text has none)
+    tool_calls: list[ToolCallEvent]
+    finish_reason: str
+    usage: dict[str, int]
+    stats: ClientStats
+
+
+class _Run:
+    """The state of one request, independent of sync/async I/O."""
+
+    def __init__(self, client: SpecClient, messages: list[dict], tools: list[dict] | None, max_tokens: int,
+                 sampling: SamplingParams, stop: Sequence[str], mode: str) -> None:
+        self.client, self.messages, self.tools = client, messages, tools
+        self.max_tokens, self.sampling, self.stop, self.mode = max_tokens, sampling, list(stop), mode
+        self.prompt: list[int] = []
+        self.tokens: list[int] = []  # prompt + generated, as committed
+        self.sid: str | None = None
+        self.text, self.held = "", ""
+        self.parser = ToolCallParser(tools_enabled=bool(tools))
+        self.calls: list[ToolCallEvent] = []
+        self.finish: str | None = None
+        self.stats = ClientStats()
+        self.verifier = 0  # index into client.transports
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    def open_body(self) -> dict[str, Any]:
+        left = self.max_tokens - self.generated
+        if self.sid is None and not self.prompt:
+            return {"messages": self.messages, "tools": self.tools, "max_new_tokens": left}
+        return {"prompt_ids": self.tokens, "max_new_tokens": left}  # resend the committed prefix
+
+    def opened(self, info: dict[str, Any]) -> None:
+        if not self.prompt:
+            self.prompt = list(info["prompt_ids"])
+            self.tokens = list(self.prompt)
+        self.sid = info["session_id"]
+
+    def sampling_body(self) -> dict[str, Any]:
+        s = self.sampling
+        return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed}
+
+    def apply(self, reply: dict[str, Any]) -> list[Any]:
+        """Commit a round's tokens; return the events they make final."""
+        self.tokens.extend(reply["tokens"])
+        events = self.feed_text(reply.get("text", ""))
+        if reply.get("session_finished") or (reply.get("finished") and reply.get("finish_reason") == "stop"):
+            self.finish = reply.get("finish_reason") or "stop"
+        return events
+
+    def feed_text(self, text: str) -> list[Any]:
+        text = self.held + text
+        self.held = ""
+        if self.stop:
+            cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, self.finish = text[:cut], "stop"
+            else:
+                keep = max((n for s in self.stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+                if keep:
+                    text, self.held = text[:-keep], text[-keep:]
+        return self._parse(self.parser.feed(text))
+
+    def close_events(self) -> list[Any]:
+        events = self._parse(self.parser.feed(self.held) + self.parser.finish())
+        self.held = ""
+        return events
+
+    def _parse(self, parsed: list[Any]) -> list[Any]:
+        out: list[Any] = []
+        for ev in parsed:
+            if ev.call is not None:
+                call = ToolCallEvent(len(self.calls), ev.call.id, ev.call.name, ev.call.arguments)
+                self.calls.append(call)
+                out.append(call)
+            elif ev.text:
+                self.text += ev.text
+                out.append(TextEvent(ev.text))
+        return out
+
+    def final(self) -> FinalEvent:
+        finish = self.finish or "length"
+        if self.calls and finish == "stop":
+            finish = "tool_calls"
+        usage = {"prompt_tokens": len(self.prompt), "completion_tokens": self.generated,
+                 "total_tokens": len(self.tokens)}
+        return FinalEvent(self.text, self.tokens[len(self.prompt) :], list(self.calls), finish, usage, self.stats)
+
+    def draft(self, k: int) -> tuple[dict[str, Any], float, str]:
+        """An edge-mode draft from the local drafter: (wire draft, seconds, preview text)."""
+        drafter = self.client.drafter
+        t0 = time.perf_counter()
+        ctx = DraftContext(self.tokens, len(self.prompt), self.sampling, self.client._generator(self.sampling))
+        prop = drafter.propose(ctx, k)
+        body: dict[str, Any] = {"tokens": list(prop.tokens), "source": prop.source[:64]}
+        if prop.is_tree:
+            body["parents"] = list(prop.parents)
+        if prop.draft_probs is not None:
+            body["q"] = [{"ids": list(d.ids), "probs": list(d.probs)} for d in prop.draft_probs]
+        preview = ""
+        if self.client.preview and self.client.tokenizer is not None and prop.tokens and not prop.is_tree:
+            preview = self.client.tokenizer.decode(list(prop.tokens), skip_special_tokens=True)
+        return body, time.perf_counter() - t0, preview
+
+
+class SpecClient:
+    """Chat completions against agentspec-verifier(s), with local drafting, routing and fallback.
+
+    ``base_urls``: one or more verifiers serving the same target (the next one takes over when one fails).
+    ``drafter``: a local drafter sharing the target's tokenizer (enables edge mode). ``fallback_model``:
+    a litellm model id used when no verifier is reachable (its continuation comes from another model;
+    recorded in the statistics).
+    """
+
+    def __init__(self, base_urls: str | Sequence[str] | None = None, *, api_key: str | None = None,
+                 drafter: Drafter | None = None, tokenizer: Any = None, num_draft_tokens: int = 4,
+                 mode: str = "auto", fallback_model: str | None = None, timeout: float = 60.0, retries: int = 2,
+                 segment_tokens: int = 16, preview: bool = False, policy: ModePolicy | None = None,
+                 api_kwargs: dict[str, Any] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        if segment_tokens < 1:
+            raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls or [])
+        if not urls and fallback_model is None:
+            raise ValueError("give at least one verifier base URL or a fallback_model")
+        if mode == "edge" and drafter is None:
+            raise ValueError("edge mode needs a local drafter")
+        api_key = api_key if api_key is not None else os.environ.get("AGENTSPEC_API_KEY")
+        self.transports = [HTTPTransport(u, api_key=api_key, timeout=timeout, retries=retries) for u in urls]
+        self.drafter, self.tokenizer, self.num_draft_tokens = drafter, tokenizer, num_draft_tokens
+        self.mode, self.fallback_model, self.segment_tokens, self.preview = mode, fallback_model, segment_tokens, preview
+        self.timeout = timeout
+        self.api_kwargs = dict(api_kwargs or {})  # extra litellm arguments (api_base, mock_response in tests, ...)
+        self.policy = policy or ModePolicy(has_drafter=drafter is not None, has_api=fallback_model is not None)
+        self._torch_generator = None
+
+    # -- public API --------------------------------------------------------------------------------
+
+    def stream(self, messages: list[dict], tools: list[dict] | None = None, *, max_tokens: int = 256,
+               sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None
+               ) -> Iterator[TextEvent | PreviewEvent | ToolCallEvent | FinalEvent]:
+        """Yield verified events for one chat turn; the last event is a :class:`FinalEvent`."""
+        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode)
+        while run.finish is None and run.generated < run.max_tokens:
+            seg_mode = self._pick_mode(run)
+            try:
+                if seg_mode == "api":
+                    yield from self._api_segment(run)
+                elif seg_mode == "edge":
+                    yield from self._edge_segment(run)
+                else:
+                    yield from self._server_segment(run, seg_mode)
+            except (VerifierUnavailable, ResendPrefix) as e:
+                self._failover(run, e)
+        yield from run.close_events()
+        self._close_session(run)
+        yield run.final()
+
+    def generate(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> FinalEvent:
+        """Run :meth:`stream` to the end and return its final event."""
+        final = None
+        for ev in self.stream(messages, tools, **kwargs):
+            final = ev
+        assert isinstance(final, FinalEvent)
+        return final
+
+    async def astream(self, messages: list[dict], tools: list[dict] | None = None, *, max_tokens: int = 256,
+                      sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None
+                      ) -> AsyncIterator[TextEvent | PreviewEvent | ToolCallEvent | FinalEvent]:
+        """The async twin of :meth:`stream` (native httpx.AsyncClient; never blocks the event loop on I/O)."""
+        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode)
+        while run.finish is None and run.generated < run.max_tokens:
+            seg_mode = self._pick_mode(run)
+            try:
+                if seg_mode == "api":
+                    async for ev in self._aapi_segment(run):
+                        yield ev
+                elif seg_mode == "edge":
+                    async for ev in self._aedge_segment(run):
+                        yield ev
+                else:
+                    async for ev in self._aserver_segment(run, seg_mode):
+                        yield ev
+            except (VerifierUnavailable, ResendPrefix) as e:
+                self._failover(run, e)
+        for ev in run.close_events():
+            yield ev
+        self._close_session(run)
+        yield run.final()
+
+    async def agenerate(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> FinalEvent:
+        final = None
+        async for ev in self.astream(messages, tools, **kwargs):
+            final = ev
+        assert isinstance(final, FinalEvent)
+        return final
+
+    def close(self) -> None:
+        for t in self.transports:
+            t.close()
+
+    # -- segments (sync) ---------------------------------------------------------------------------
+
+    def _ensure_session(self, run: _Run) -> HTTPTransport:
+        t = self.transports[run.verifier]
+        if run.sid is None:
+            run.opened(t.post("/v1/spec/sessions", run.open_body()).body)
+        return t
+
+    def _edge_segment(self, run: _Run) -> Iterator[Any]:
+        t = self._ensure_session(run)
+        seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions))
+        t0 = time.perf_counter()
+        while run.finish is None and seg.tokens < self.segment_tokens:
+            k = min(self.policy.gamma("edge", self.num_draft_tokens), run.max_tokens - run.generated - 1)
+            draft, draft_s, preview = run.draft(k) if k > 0 else ({"tokens": []}, 0.0, "")
+            if preview:
+                yield PreviewEvent(preview)
+            body = {"base_len": len(run.tokens), "draft": draft, "sampling": run.sampling_body()}
+            r = t.post(f"/v1/spec/sessions/{run.sid}/rounds", body)
+            yield from self._commit(run, seg, r.body, r.wall_s, draft_s)
+        seg.wall_s = time.perf_counter() - t0
+        self._segment_done(run, seg)
+
+    def _server_segment(self, run: _Run, mode: str) -> Iterator[Any]:
+        t = self._ensure_session(run)
+        seg = SegmentStats(mode, 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions))
+        t0 = time.perf_counter()
+        body = {"base_len": len(run.tokens), "mode": mode, "sampling": run.sampling_body(),
+                "max_new_tokens": min(self.segment_tokens, run.max_tokens - run.generated)}
+        for r in t.stream_lines(f"/v1/spec/sessions/{run.sid}/generate", body):
+            yield from self._commit(run, seg, r.body, r.wall_s, 0.0)
+            if run.finish is not None:
+                break
+        seg.wall_s = time.perf_counter() - t0
+        self._segment_done(run, seg)
+
+    def _api_segment(self, run: _Run) -> Iterator[Any]:
+        t0 = time.perf_counter()
+        resp = _litellm().completion(**self._api_request(run))
+        yield from self._api_commit(run, resp, t0)
+
+    # -- segments (async) --------------------------------------------------------------------------
+
+    async def _aensure_session(self, run: _Run) -> HTTPTransport:
+        t = self.transports[run.verifier]
+        if run.sid is None:
+            run.opened((await t.apost("/v1/spec/sessions", run.open_body())).body)
+        return t
+
+    async def _aedge_segment(self, run: _Run) -> AsyncIterator[Any]:
+        t = await self._aensure_session(run)
+        seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions))
+        t0 = time.perf_counter()
+        while run.finish is None and seg.tokens < self.segment_tokens:
+            k = min(self.policy.gamma("edge", self.num_draft_tokens), run.max_tokens - run.generated - 1)
+            draft, draft_s, preview = run.draft(k) if k > 0 else ({"tokens": []}, 0.0, "")
+            if preview:
+                yield PreviewEvent(preview)
+            body = {"base_len": len(run.tokens), "draft": draft, "sampling": run.sampling_body()}
+            r = await t.apost(f"/v1/spec/sessions/{run.sid}/rounds", body)
+            for ev in self._commit(run, seg, r.body, r.wall_s, draft_s):
+                yield ev
+        seg.wall_s = time.perf_counter() - t0
+        self._segment_done(run, seg)
+
+    async def _aserver_segment(self, run: _Run, mode: str) -> AsyncIterator[Any]:
+        t = await self._aensure_session(run)
+        seg = SegmentStats(mode, 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions))
+        t0 = time.perf_counter()
+        body = {"base_len": len(run.tokens), "mode": mode, "sampling": run.sampling_body(),
+                "max_new_tokens": min(self.segment_tokens, run.max_tokens - run.generated)}
+        async for r in t.astream_lines(f"/v1/spec/sessions/{run.sid}/generate", body):
+            for ev in self._commit(run, seg, r.body, r.wall_s, 0.0):
+                yield ev
+            if run.finish is not None:
+                break
+        seg.wall_s = time.perf_counter() - t0
+        self._segment_done(run, seg)
+
+    async def _aapi_segment(self, run: _Run) -> AsyncIterator[Any]:
+        t0 = time.perf_counter()
+        resp = await _litellm().acompletion(**self._api_request(run))
+        for ev in self._api_commit(run, resp, t0):
+            yield ev
+
+    # -- shared ------------------------------------------------------------------------------------
+
+    def _new_run(self, messages: list[dict], tools: list[dict] | None, max_tokens: int,
+                 sampling: SamplingParams | None, stop: Sequence[str], mode: str | None) -> _Run:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        mode = mode or self.mode
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "edge" and self.drafter is None:
+            raise ValueError("edge mode needs a local drafter")
+        if isinstance(stop, str):
+            stop = [stop]
+        run = _Run(self, list(messages), tools, max_tokens, sampling or SamplingParams(), stop, mode)
+        if not self.transports:
+            run.mode = "api"
+        return run
+
+    def _pick_mode(self, run: _Run) -> str:
+        if run.mode != "auto":
+            return run.mode
+        return self.policy.choose()
+
+    def _commit(self, run: _Run, seg: SegmentStats, reply: dict[str, Any], wall_s: float, draft_s: float
+                ) -> list[Any]:
+        seg.rounds += 1
+        seg.tokens += len(reply["tokens"])
+        seg.drafted += reply.get("drafted", 0)
+        seg.accepted += reply.get("accepted", 0)
+        timings = reply.get("timings", {})
+        server_s = (timings.get("verify_ms", 0.0) + timings.get("draft_ms", 0.0)) / 1e3
+        seg.server_s += server_s
+        seg.draft_s += draft_s
+        self.policy.observe_round(seg.mode, reply.get("drafted", 0), reply.get("accepted", 0), len(reply["tokens"]),
+                                  wall_s=wall_s, server_s=server_s, verify_s=timings.get("verify_ms", 0.0) / 1e3,
+                                  draft_s=draft_s, load=reply.get("load"))
+        return run.apply(reply)
+
+    def _segment_done(self, run: _Run, seg: SegmentStats) -> None:
+        run.stats.segments.append(seg)
+        if seg.tokens:
+            self.policy.observe_segment(seg.mode, seg.wall_s / seg.tokens)
+
+    def _failover(self, run: _Run, error: VerifierError) -> None:
+        """Continue elsewhere with the committed tokens: another verifier, then the fallback API model."""
+        run.stats.fallbacks.append(f"{type(error).__name__} on verifier {run.verifier}: {error}")
+        run.sid = None
+        if isinstance(error, ResendPrefix) and len(run.stats.fallbacks) <= 3:
+            return  # same verifier, new session with the full prefix
+        if run.verifier + 1 < len(self.transports):
+            run.verifier += 1
+            return
+        if self.fallback_model is not None:
+            run.mode = "api"
+            return
+        raise VerifierUnavailable(f"no verifier left and no fallback_model: {error}", status=error.status,
+                                  code=error.code) from error
+
+    def _api_request(self, run: _Run) -> dict[str, Any]:
+        messages = list(run.messages)
+        if run.text:  # continue the partial answer (the API model only sees committed text)
+            messages.append({"role": "assistant", "content": run.text})
+        req: dict[str, Any] = {"model": self.fallback_model, "messages": messages, "timeout": self.timeout,
+                               "max_tokens": max(run.max_tokens - run.generated, 1), **self.api_kwargs}
+        if run.tools:
+            req["tools"] = run.tools
+        if not run.sampling.greedy:
+            req["temperature"] = run.sampling.temperature
+        if run.stop:
+            req["stop"] = run.stop
+        return req
+
+    def _api_commit(self, run: _Run, resp: Any, t0: float) -> list[Any]:
+        choice = resp.choices[0]
+        text = choice.message.content or ""
+        events = run.feed_text(text)
+        for tc in getattr(choice.message, "tool_calls", None) or ():
+            call = ToolCallEvent(len(run.calls), tc.id, tc.function.name, tc.function.arguments)
+            run.calls.append(call)
+            events.append(call)
+        usage = getattr(resp, "usage", None)
+        n = getattr(usage, "completion_tokens", 0) or 0
+        run.stats.segments.append(SegmentStats("api", n, 1, 0, 0, time.perf_counter() - t0, 0.0, 0.0))
+        run.finish = {"length": "length"}.get(choice.finish_reason or "stop", "stop")
+        return events
+
+    def _close_session(self, run: _Run) -> None:
+        if run.sid is not None and self.transports:
+            self.transports[run.verifier].delete(f"/v1/spec/sessions/{run.sid}")
+
+    def _generator(self, sampling: SamplingParams) -> Any:
+        if sampling.greedy:
+            return None
+        import torch
+
+        if self._torch_generator is None:
+            self._torch_generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+        return self._torch_generator
+
+
+def _litellm() -> Any:
+    """litellm, imported lazily with offline-safe settings (no cost-map or tokenizer downloads)."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    litellm.disable_hf_tokenizer_download = True
+    return litellm

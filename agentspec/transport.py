@@ -1,0 +1,180 @@
+"""Talking to agentspec-verifier: httpx (HTTP/2, keep-alive), retries for transient failures, typed errors.
+
+Every call returns the server's JSON and the wall time it took, so the client can compute
+``RTT = wall − server-reported compute`` for each round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from agentspec.protocol import RESEND_PREFIX_CODES
+
+
+class VerifierError(Exception):
+    """The verifier refused or failed a request; ``code`` is the server's error code when it sent one."""
+
+    retryable = False
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
+                 body: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.body = status, code, body or {}
+
+
+class ResendPrefix(VerifierError):
+    """The server lost or does not match the session (unknown, evicted, base_len mismatch): reopen it."""
+
+
+class VerifierUnavailable(VerifierError):
+    """The verifier could not be reached, timed out or failed (5xx) after the configured retries."""
+
+    retryable = True
+
+
+@dataclass
+class Timed:
+    body: dict[str, Any]
+    wall_s: float
+
+
+def _is_transient(e: BaseException) -> bool:
+    return isinstance(e, VerifierUnavailable)
+
+
+class HTTPTransport:
+    """A verifier at ``base_url``; sync and async clients share settings, never an event loop."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0, retries: int = 2,
+                 http2: bool = True) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_keepalive_connections=16, keepalive_expiry=60)
+        self.timeout = timeout
+        self.retries = retries
+        self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, http2=http2,
+                                    limits=limits)
+        self._aclient = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, http2=http2,
+                                          limits=limits)
+
+    # -- sync --------------------------------------------------------------------------------------
+
+    def post(self, path: str, body: dict[str, Any]) -> Timed:
+        """POST JSON with retries for transient failures; 4xx raise at once (they will not get better)."""
+        for attempt in Retrying(stop=stop_after_attempt(self.retries + 1), reraise=True,
+                                retry=retry_if_exception(_is_transient),
+                                wait=wait_exponential(multiplier=0.05, max=1.0)):
+            with attempt:
+                t0 = time.perf_counter()
+                try:
+                    r = self._client.post(path, json=body)
+                except httpx.TimeoutException as e:
+                    raise VerifierUnavailable(f"verifier timed out after {self.timeout} s: {e}") from e
+                except httpx.TransportError as e:
+                    raise VerifierUnavailable(f"verifier unreachable at {self.base_url}: {e}") from e
+                return Timed(_check(r), time.perf_counter() - t0)
+        raise AssertionError("unreachable")
+
+    def stream_lines(self, path: str, body: dict[str, Any]) -> Iterator[Timed]:
+        """POST and yield each NDJSON line as it arrives (no retries once streaming has begun)."""
+        t0 = time.perf_counter()
+        try:
+            with self._client.stream("POST", path, json=body) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    _check(r)
+                for line in r.iter_lines():
+                    if line:
+                        data = json.loads(line)
+                        if "error" in data:
+                            raise _error_from(data, r.status_code)
+                        yield Timed(data, time.perf_counter() - t0)
+                        t0 = time.perf_counter()
+        except httpx.TimeoutException as e:
+            raise VerifierUnavailable(f"verifier timed out: {e}") from e
+        except httpx.TransportError as e:
+            raise VerifierUnavailable(f"verifier connection failed: {e}") from e
+
+    def delete(self, path: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):  # closing is best effort
+            self._client.delete(path)
+
+    # -- async -------------------------------------------------------------------------------------
+
+    async def apost(self, path: str, body: dict[str, Any]) -> Timed:
+        async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries + 1), reraise=True,
+                                           retry=retry_if_exception(_is_transient),
+                                           wait=wait_exponential(multiplier=0.05, max=1.0)):
+            with attempt:
+                t0 = time.perf_counter()
+                try:
+                    r = await self._aclient.post(path, json=body)
+                except httpx.TimeoutException as e:
+                    raise VerifierUnavailable(f"verifier timed out after {self.timeout} s: {e}") from e
+                except httpx.TransportError as e:
+                    raise VerifierUnavailable(f"verifier unreachable at {self.base_url}: {e}") from e
+                return Timed(_check(r), time.perf_counter() - t0)
+        raise AssertionError("unreachable")
+
+    async def astream_lines(self, path: str, body: dict[str, Any]) -> AsyncIterator[Timed]:
+        t0 = time.perf_counter()
+        try:
+            async with self._aclient.stream("POST", path, json=body) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    _check(r)
+                async for line in r.aiter_lines():
+                    if line:
+                        data = json.loads(line)
+                        if "error" in data:
+                            raise _error_from(data, r.status_code)
+                        yield Timed(data, time.perf_counter() - t0)
+                        t0 = time.perf_counter()
+        except httpx.TimeoutException as e:
+            raise VerifierUnavailable(f"verifier timed out: {e}") from e
+        except httpx.TransportError as e:
+            raise VerifierUnavailable(f"verifier connection failed: {e}") from e
+
+    def close(self) -> None:
+        self._client.close()
+
+    async def aclose(self) -> None:
+        await self._aclient.aclose()
+
+
+def _check(r: httpx.Response) -> dict[str, Any]:
+    try:
+        data = r.json()
+    except ValueError:
+        data = {}
+    if r.status_code < 400:
+        return data
+    raise _error_from(data, r.status_code)
+
+
+def _error_from(data: dict[str, Any], status: int) -> VerifierError:
+    err = data.get("error") if isinstance(data, dict) else None
+    err = err if isinstance(err, dict) else {}
+    message = err.get("message") or f"verifier answered HTTP {status}"
+    code = err.get("code")
+    if code in RESEND_PREFIX_CODES:
+        return ResendPrefix(message, status=status, code=code, body=err)
+    if status >= 500 or status == 429:
+        return VerifierUnavailable(message, status=status, code=code, body=err)
+    return VerifierError(message, status=status, code=code, body=err)

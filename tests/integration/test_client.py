@@ -1,0 +1,110 @@
+"""SpecClient against real loopback verifiers: every mode equals plain greedy, async twin, failover."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentspec.client import FinalEvent, SpecClient, TextEvent
+from agentspec.drafters import ModelDrafter, NgramDrafter
+from agentspec.router import ModePolicy
+from agentspec.transport import VerifierUnavailable
+from tests.helpers import plain_greedy
+from tests.integration.server import LoopbackServer, config
+
+pytestmark = pytest.mark.integration
+MESSAGES = [{"role": "user", "content": "tell me about tools"}]
+MAX = 40
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    with LoopbackServer(target, config(), draft_model=target) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    prompt = target.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    return plain_greedy(target, list(prompt), MAX)
+
+
+@pytest.mark.parametrize("mode", ["edge", "server", "server-ar", "auto"])
+def test_every_mode_equals_plain_greedy(server, target, reference, mode):
+    client = SpecClient(server.url, drafter=ModelDrafter(target), tokenizer=target.tokenizer, mode=mode,
+                        segment_tokens=8)
+    events = list(client.stream(MESSAGES, max_tokens=MAX))
+    final = events[-1]
+    assert isinstance(final, FinalEvent)
+    assert final.tokens == reference
+    eos_free = [t for t in reference if t != 1]
+    assert final.text == target.tokenizer.decode(eos_free, skip_special_tokens=True)
+    assert "".join(e.text for e in events if isinstance(e, TextEvent)) == final.text
+    modes = {s.mode for s in final.stats.segments}
+    if mode == "auto":
+        assert len(modes) >= 2 and modes <= {"edge", "server", "server-ar"}  # switched mid-request, lossless
+    else:
+        assert modes == {mode}
+    client.close()
+
+
+async def test_async_twin_matches(server, target, reference):
+    client = SpecClient(server.url, drafter=NgramDrafter(), tokenizer=target.tokenizer, mode="edge")
+    final = await client.agenerate(MESSAGES, max_tokens=MAX)
+    assert final.tokens == reference
+
+
+def test_failover_to_second_verifier_keeps_every_token(target, reference):
+    """The first verifier dies mid-request; the second continues from the committed tokens."""
+    with LoopbackServer(target, config()) as a, LoopbackServer(target, config()) as b:
+        client = SpecClient([a.url, b.url], drafter=ModelDrafter(target), mode="edge", segment_tokens=4, retries=1,
+                            timeout=5)
+        events = []
+        for ev in client.stream(MESSAGES, max_tokens=MAX):
+            events.append(ev)
+            if len(events) == 2:  # after the first verified text: kill verifier a
+                a.server.should_exit = True
+                a.thread.join(timeout=10)
+        final = events[-1]
+        assert final.tokens == reference
+        assert final.stats.fallbacks and "VerifierUnavailable" in final.stats.fallbacks[0]
+
+
+def test_api_fallback_is_recorded(target):
+    with LoopbackServer(target, config()) as a:
+        url = a.url
+    client = SpecClient(url, mode="server", fallback_model="openai/fallback-model", retries=0, timeout=2,
+                        api_kwargs={"mock_response": "fallback answer"})
+    final = client.generate(MESSAGES, max_tokens=MAX)
+    assert final.text == "fallback answer"
+    assert [s.mode for s in final.stats.segments] == ["api"] and final.stats.fallbacks
+
+
+def test_typed_error_without_fallback(target):
+    with LoopbackServer(target, config()) as a:
+        url = a.url
+    client = SpecClient(url, mode="server", retries=1, timeout=2)
+    with pytest.raises(VerifierUnavailable) as info:
+        client.generate(MESSAGES, max_tokens=4)
+    assert info.value.__cause__ is not None
+
+
+def test_mode_policy_hysteresis_and_probing():
+    policy = ModePolicy(has_drafter=True, probe_every=5)
+    costs = {"edge": 0.010, "server": 0.020, "server-ar": 0.030}
+    seen = []
+    for _ in range(3):
+        seen.append(policy.choose())
+        policy.observe_segment(seen[-1], costs[seen[-1]])
+    assert seen == ["edge", "server", "server-ar"]  # untried modes first
+    picks = [policy.choose() for _ in range(10)]
+    assert picks.count("edge") >= 8  # cheapest, with a periodic probe of the stalest mode
+    calm = ModePolicy(has_drafter=True, probe_every=10**6, ema=1.0)
+    for m, cost in (("edge", 0.010), ("server", 0.020), ("server-ar", 0.030)):
+        calm.choose()
+        calm.observe_segment(m, cost)
+    assert calm.choose() == "edge"
+    calm.observe_segment("server", 0.0095)  # barely cheaper: within the hysteresis, stay on edge
+    assert calm.choose() == "edge"
+    calm.observe_segment("server", 0.005)  # clearly cheaper: switch
+    assert calm.choose() == "server"
