@@ -84,10 +84,8 @@ class HTTPTransport:
                 t0 = time.perf_counter()
                 try:
                     r = self._client.post(path, json=body)
-                except httpx.TimeoutException as e:
-                    raise VerifierUnavailable(f"verifier timed out after {self.timeout} s: {e}") from e
                 except httpx.TransportError as e:
-                    raise VerifierUnavailable(f"verifier unreachable at {self.base_url}: {e}") from e
+                    raise self._unavailable(e) from e
                 return Timed(_check(r), time.perf_counter() - t0)
         raise AssertionError("unreachable")
 
@@ -106,10 +104,8 @@ class HTTPTransport:
                             raise _error_from(data, r.status_code)
                         yield Timed(data, time.perf_counter() - t0)
                         t0 = time.perf_counter()
-        except httpx.TimeoutException as e:
-            raise VerifierUnavailable(f"verifier timed out: {e}") from e
         except httpx.TransportError as e:
-            raise VerifierUnavailable(f"verifier connection failed: {e}") from e
+            raise self._unavailable(e) from e
 
     def delete(self, path: str) -> None:
         with contextlib.suppress(httpx.HTTPError):  # closing is best effort
@@ -125,10 +121,8 @@ class HTTPTransport:
                 t0 = time.perf_counter()
                 try:
                     r = await self._aclient.post(path, json=body)
-                except httpx.TimeoutException as e:
-                    raise VerifierUnavailable(f"verifier timed out after {self.timeout} s: {e}") from e
                 except httpx.TransportError as e:
-                    raise VerifierUnavailable(f"verifier unreachable at {self.base_url}: {e}") from e
+                    raise self._unavailable(e) from e
                 return Timed(_check(r), time.perf_counter() - t0)
         raise AssertionError("unreachable")
 
@@ -146,10 +140,14 @@ class HTTPTransport:
                             raise _error_from(data, r.status_code)
                         yield Timed(data, time.perf_counter() - t0)
                         t0 = time.perf_counter()
-        except httpx.TimeoutException as e:
-            raise VerifierUnavailable(f"verifier timed out: {e}") from e
         except httpx.TransportError as e:
-            raise VerifierUnavailable(f"verifier connection failed: {e}") from e
+            raise self._unavailable(e) from e
+
+    def _unavailable(self, e: httpx.TransportError) -> VerifierUnavailable:
+        """Timeouts and connection failures (httpx.TimeoutException is a TransportError)."""
+        if isinstance(e, httpx.TimeoutException):
+            return VerifierUnavailable(f"verifier timed out after {self.timeout} s: {e}")
+        return VerifierUnavailable(f"verifier unreachable at {self.base_url}: {e}")
 
     def close(self) -> None:
         self._client.close()

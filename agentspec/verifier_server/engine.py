@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -99,7 +98,6 @@ class VerifierEngine:
         self.scheduler = BatchScheduler(self, config.max_batch_size, config.batch_window_s)
         self.policies: dict[str, DraftLengthPolicy] = {}
         self.ready = False
-        self._model_lock = threading.Lock()
 
     # -- start-up ----------------------------------------------------------------------------------
 
@@ -251,15 +249,14 @@ class VerifierEngine:
             masks.append(mask)
             positions.append(pos)
             pendings.append(len(pending))
-        with self._model_lock:
-            if len(items) == 1:
-                item, d = items[0], items[0].draft
-                rows = [models.forward(self.target.model, inputs[0], item.session.cache, len(d) + 1,
-                                       masks[0] if d.is_tree else None, positions[0] if d.is_tree else None)]
-            else:
-                full = models.forward_batch(self.target.model, [it.session.cache for it in items], inputs,
-                                            masks, positions)
-                rows = [r[p - 1 :] for r, p in zip(full, pendings, strict=True)]
+        if len(items) == 1:  # all model calls run on the single model thread: no lock needed
+            item, d = items[0], items[0].draft
+            rows = [models.forward(self.target.model, inputs[0], item.session.cache, len(d) + 1,
+                                   masks[0] if d.is_tree else None, positions[0] if d.is_tree else None)]
+        else:
+            full = models.forward_batch(self.target.model, [it.session.cache for it in items], inputs,
+                                        masks, positions)
+            rows = [r[p - 1 :] for r, p in zip(full, pendings, strict=True)]
         verify_s = time.perf_counter() - t0
         for i, item in enumerate(items):
             try:
