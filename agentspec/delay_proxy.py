@@ -11,6 +11,7 @@ throttled (chunks in flight overlap). Runs its own event loop in a daemon thread
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
@@ -64,7 +65,9 @@ class DelayProxy:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True)
+        # When the proxy stops it cancels this handler: end quietly (asyncio would log a cancelled handler).
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True)
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
