@@ -244,19 +244,21 @@ class SpecClient:
                ) -> Iterator[TextEvent | PreviewEvent | ToolCallEvent | FinalEvent]:
         """Yield verified events for one chat turn; the last event is a :class:`FinalEvent`."""
         run = self._new_run(messages, tools, max_tokens, sampling, stop, mode)
-        while run.finish is None and run.generated < run.max_tokens:
-            seg_mode = self._pick_mode(run)
-            try:
-                if seg_mode == "api":
-                    yield from self._api_segment(run)
-                elif seg_mode == "edge":
-                    yield from self._edge_segment(run)
-                else:
-                    yield from self._server_segment(run, seg_mode)
-            except (VerifierUnavailable, ResendPrefix) as e:
-                self._failover(run, e)
-        yield from run.close_events()
-        self._close_session(run)
+        try:
+            while run.finish is None and run.generated < run.max_tokens:
+                seg_mode = self._pick_mode(run)
+                try:
+                    if seg_mode == "api":
+                        yield from self._api_segment(run)
+                    elif seg_mode == "edge":
+                        yield from self._edge_segment(run)
+                    else:
+                        yield from self._server_segment(run, seg_mode)
+                except (VerifierUnavailable, ResendPrefix) as e:
+                    self._failover(run, e)
+            yield from run.close_events()
+        finally:  # also when the consumer stops early: the server frees the session's KV now
+            self._close_session(run)
         yield run.final()
 
     def generate(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> FinalEvent:
@@ -272,23 +274,25 @@ class SpecClient:
                       ) -> AsyncIterator[TextEvent | PreviewEvent | ToolCallEvent | FinalEvent]:
         """The async twin of :meth:`stream` (native httpx.AsyncClient; never blocks the event loop on I/O)."""
         run = self._new_run(messages, tools, max_tokens, sampling, stop, mode)
-        while run.finish is None and run.generated < run.max_tokens:
-            seg_mode = self._pick_mode(run)
-            try:
-                if seg_mode == "api":
-                    async for ev in self._aapi_segment(run):
-                        yield ev
-                elif seg_mode == "edge":
-                    async for ev in self._aedge_segment(run):
-                        yield ev
-                else:
-                    async for ev in self._aserver_segment(run, seg_mode):
-                        yield ev
-            except (VerifierUnavailable, ResendPrefix) as e:
-                self._failover(run, e)
-        for ev in run.close_events():
-            yield ev
-        self._close_session(run)
+        try:
+            while run.finish is None and run.generated < run.max_tokens:
+                seg_mode = self._pick_mode(run)
+                try:
+                    if seg_mode == "api":
+                        async for ev in self._aapi_segment(run):
+                            yield ev
+                    elif seg_mode == "edge":
+                        async for ev in self._aedge_segment(run):
+                            yield ev
+                    else:
+                        async for ev in self._aserver_segment(run, seg_mode):
+                            yield ev
+                except (VerifierUnavailable, ResendPrefix) as e:
+                    self._failover(run, e)
+            for ev in run.close_events():
+                yield ev
+        finally:
+            await self._aclose_session(run)
         yield run.final()
 
     async def agenerate(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> FinalEvent:
@@ -478,6 +482,12 @@ class SpecClient:
     def _close_session(self, run: _Run) -> None:
         if run.sid is not None and self.transports:
             self.transports[run.verifier].delete(f"/v1/spec/sessions/{run.sid}")
+            run.sid = None
+
+    async def _aclose_session(self, run: _Run) -> None:
+        if run.sid is not None and self.transports:
+            await self.transports[run.verifier].adelete(f"/v1/spec/sessions/{run.sid}")
+            run.sid = None
 
     def _generator(self, sampling: SamplingParams) -> Any:
         if sampling.greedy:

@@ -253,8 +253,10 @@ class ModePolicy:
     """Picks the mode of the next segment of a request from measured costs (design.md's modes).
 
     * Each mode's seconds per committed token is tracked from finished segments (EMA). A mode with no
-      measurement yet is tried first (optimistic start), then every ``probe_every`` segments the least
-      recently tried mode is probed so its estimate stays fresh.
+      measurement yet is tried first (optimistic start). A mode not used for ``probe_every`` segments is
+      probed so its estimate stays fresh; a probe that finds the mode clearly worse (by more than
+      ``probe_margin``) doubles that mode's probe interval, up to ``max_probe_every`` (probing a mode that
+      costs 3x the best one is itself a cost); a probe that finds it competitive resets the interval.
     * Edge mode's γ comes from its own :class:`DraftLengthPolicy`, whose cost per round is the round's
       wall time minus local drafting: RTT + t_v(γ) as the client sees it.
     * A switch needs the challenger to be ``hysteresis`` cheaper than the current mode (no flapping).
@@ -265,8 +267,10 @@ class ModePolicy:
 
     has_drafter: bool = True
     has_api: bool = False
-    hysteresis: float = 0.10
+    hysteresis: float = 0.05
     probe_every: int = 8
+    max_probe_every: int = 128
+    probe_margin: float = 0.25
     busy_penalty: float = 1.25
     ema: float = 0.3
     seconds_per_token: dict[str, float] = field(default_factory=dict)
@@ -276,6 +280,9 @@ class ModePolicy:
     current: str | None = None
     segments: int = 0
     server_waiting: int = 0
+    probe_interval: dict[str, int] = field(default_factory=dict)  # per mode; backs off while probes lose
+    probing: str | None = None  # the mode of the segment in flight, when it is a probe
+    last_probe: int = 0
     server_costs: CostCurve = field(default_factory=CostCurve)  # server-reported t_v(γ)
     alpha: dict[str, float] = field(default_factory=dict)  # per mode, accepted / drafted (EMA)
     rtt: float | None = None  # wall − server compute − local drafting, per edge round (EMA)
@@ -290,10 +297,16 @@ class ModePolicy:
         self.segments += 1
         untried = [m for m in self.modes if m not in self.seconds_per_token]
         self.last_predictions = {m: self.predicted(m) * 1e3 for m in self.modes}
+        due = [m for m in self.modes if m != self.current
+               and self.segments - self.last_used.get(m, 0) >= self.probe_interval.get(m, self.probe_every)]
+        if self.segments - self.last_probe < self.probe_every:
+            due = []  # at most one probe every probe_every segments, whatever the number of modes
+        self.probing = None
         if untried:
             pick = untried[0]
-        elif self.segments % self.probe_every == 0:
-            pick = min(self.modes, key=lambda m: self.last_used.get(m, -1))
+        elif due and self.current is not None:
+            pick = self.probing = min(due, key=lambda m: self.last_used.get(m, -1))
+            self.last_probe = self.segments
         else:
             best = min(self.modes, key=self.predicted)
             pick = best
@@ -357,6 +370,13 @@ class ModePolicy:
             self.edge.observe(drafted, reached, accepted, max(wall_s, 1e-6), draft_s)
 
     def observe_segment(self, mode: str, seconds_per_token: float) -> None:
+        """A finished segment's wall seconds per committed token in ``mode``."""
+        if mode == self.probing and self.current is not None and self.current != mode:
+            incumbent = self.predicted(self.current)
+            interval = self.probe_interval.get(mode, self.probe_every)
+            worse = seconds_per_token > (1 + self.probe_margin) * incumbent
+            self.probe_interval[mode] = min(2 * interval, self.max_probe_every) if worse else self.probe_every
+        self.probing = None
         old = self.seconds_per_token.get(mode)
         self.seconds_per_token[mode] = (seconds_per_token if old is None
                                         else (1 - self.ema) * old + self.ema * seconds_per_token)

@@ -9,6 +9,7 @@ complete — never from text that might still change.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import secrets
@@ -193,7 +194,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
     would phrase them, so every target sees its tools.
     """
     tools = normalise_tools(tools)
-    messages = [dict(m) for m in messages]
+    messages = [_template_message(m) for m in messages]
     if tools and not supports_tools(tokenizer):
         block = tools_system_text(tools)
         if messages and messages[0].get("role") == "system":
@@ -204,6 +205,25 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                          tokenize=False)
     return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``message`` as chat templates expect it: OpenAI sends tool-call ``arguments`` as a JSON
+    string, templates (Qwen's ``tojson``) want the object, or they would print an escaped string."""
+    out = dict(message)
+    calls = out.get("tool_calls")
+    if calls:
+        fixed = []
+        for call in calls:
+            call = dict(call)
+            fn = dict(call.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                with contextlib.suppress(ValueError):  # not JSON: the template gets the text as it is
+                    fn["arguments"] = json.loads(fn["arguments"])
+            call["function"] = fn
+            fixed.append(call)
+        out["tool_calls"] = fixed
+    return out
 
 
 def normalise_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -113,6 +113,10 @@ class HTTPTransport:
 
     # -- async -------------------------------------------------------------------------------------
 
+    async def adelete(self, path: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):  # closing is best effort
+            await self._aclient.delete(path)
+
     async def apost(self, path: str, body: dict[str, Any]) -> Timed:
         async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries + 1), reraise=True,
                                            retry=retry_if_exception(_is_transient),

@@ -216,6 +216,13 @@ def capacity(dtype: str, target: models.LoadedModel, ids_list: list[list[int]], 
     return res
 
 
+def kv_bytes_per_token(target: models.LoadedModel) -> int:
+    """KV-cache bytes per cached position of ``target`` (measured on an 8-token cache)."""
+    cache = models.new_cache(target.model)
+    models.forward(target.model, list(range(1, 9)), cache, 1)
+    return -(-models.cache_nbytes(cache) // 8)
+
+
 def memory(dtype: str, target_bytes: int, prompts: list[list[int]], cap_mb: int, sessions: int,
            tokens_per_session: int) -> dict:
     """(d) peak RSS while serving many long sessions under ``--kv-cache-memory``, vs model bytes + cap.
@@ -229,6 +236,7 @@ def memory(dtype: str, target_bytes: int, prompts: list[list[int]], cap_mb: int,
         Path(f"/proc/{srv.proc.pid}/clear_refs").write_text("5")
         rss_ready = srv.peak_rss()
         long = [t for p in prompts for t in p]
+        long = long * -(-tokens_per_session // len(long))  # repeated when the prompts are too short
         evicted = 0
         with httpx.Client(base_url=srv.url, timeout=600) as c:
             sids = []
@@ -314,7 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         run["overhead"] = overhead(dtype, encoded[0], 5 if q else 30)
         run["throughput"] = throughput(dtype, encoded, 4 if q else 16, 4)
         run["capacity"] = capacity(dtype, target, encoded[:2 if q else 4], 4, 8, 16 if q else 48)
-        run["memory"] = memory(dtype, model_bytes, encoded, 64 if q else 1024, 8 if q else 32, 400 if q else 1500)
+        # The server's default cap (2 GiB); 32 sessions long enough to need 1.35x the cap, so LRU eviction works.
+        cap_mb, sessions = (64, 8) if q else (2048, 32)
+        per_token = kv_bytes_per_token(target)
+        tokens = min(-(-int(1.35 * cap_mb * 1024**2) // (sessions * per_token)), 8000)
+        run["memory"] = memory(dtype, model_bytes, encoded, cap_mb, sessions, tokens)
         run["prefix_reuse"] = prefix_reuse(dtype, target.tokenizer, prompts[5])
         results["runs"][dtype] = run
         del target

@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-draft-tokens", type=_positive(int), default=int(_env("max_draft_tokens", 16)))
     p.add_argument("--max-batch-size", type=_positive(int), default=int(_env("max_batch_size", 8)))
     p.add_argument("--batch-window-ms", type=float, default=float(_env("batch_window_ms", 2.0)))
+    p.add_argument("--prefill-chunk-tokens", type=_positive(int), default=int(_env("prefill_chunk_tokens", 512)),
+                   help="prefill long prompts in chunks of this many tokens (bounds activation memory)")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes(str(_env("max_body_bytes", "4MiB"))))
     p.add_argument("--request-timeout", type=_positive(float), default=float(_env("request_timeout", 600.0)),
                    help="seconds before a request is answered 504")
@@ -99,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
                           kv_cache_memory=a.kv_cache_memory, max_model_len=a.max_model_len,
                           max_draft_tokens=a.max_draft_tokens, max_batch_size=a.max_batch_size,
                           batch_window_s=max(a.batch_window_ms, 0.0) / 1e3, api_keys=tuple(keys),
-                          max_body_bytes=a.max_body_bytes, request_timeout_s=a.request_timeout)
+                          max_body_bytes=a.max_body_bytes, request_timeout_s=a.request_timeout,
+                          prefill_chunk_tokens=a.prefill_chunk_tokens)
     return Args(model, a.draft_model, a.host, a.port, config, a.dtype, a.device, a.allow_download, a.log_level)
 
 

@@ -2,8 +2,9 @@
 
 * Every model call (prefill, drafting, verification) runs on a single worker thread, so the model is
   never used concurrently and rounds queue up naturally while a pass runs.
-* :class:`BatchScheduler` collects rounds for a short window (``batch_window_s``) or until
-  ``max_batch_size`` and runs them as ONE forward pass (:func:`agentspec.models.forward_batch`); a lone
+* :class:`BatchScheduler` collects rounds while several sessions are active — until each has a round
+  queued, ``max_batch_size``, or an adaptive window (a fraction of the measured pass) — and runs them as
+  ONE forward pass (:func:`agentspec.models.forward_batch`); a lone
   round takes the unbatched path, exactly like the in-process engine.
 * A round: check ``base_len``, append the client's ``new_tokens``, optionally draft (server mode), run
   the pass over uncached committed tokens + draft nodes, verify (:mod:`agentspec.verify`), keep the
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +62,7 @@ class ServerConfig:
     default_num_draft_tokens: int = 6
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024**2
+    prefill_chunk_tokens: int = 512  # long prompts are prefilled in chunks: bounded activation memory
     request_timeout_s: float = 600.0
 
 
@@ -107,6 +110,9 @@ class VerifierEngine:
         curve = models.measure_verify_cost(self.target.model, ids, self.config.max_draft_tokens + 1, reps=1)
         for name in ("model", "ngram"):
             self.policies[name] = DraftLengthPolicy.from_calibration(curve)
+        cache = models.new_cache(self.target.model)
+        models.forward(self.target.model, ids[:8], cache, 1)
+        self.store.bytes_per_token = -(-models.cache_nbytes(cache) // 8)
         self.ready = True
         return curve
 
@@ -159,9 +165,11 @@ class VerifierEngine:
         session, reused = self.store.create(owner, ids, max_new, stops)
         session.busy += 1
         try:
-            if len(ids) - 1 > session.num_cached:  # cache everything but the last token (its logits come
-                models.forward(self.target.model, ids[session.num_cached : -1], session.cache, 1)  # in round 1)
-                session.num_cached = len(ids) - 1
+            chunk = max(1, self.config.prefill_chunk_tokens)
+            while len(ids) - 1 > session.num_cached:  # cache all but the last token (its logits come in round 1)
+                end = min(session.num_cached + chunk, len(ids) - 1)
+                models.forward(self.target.model, ids[session.num_cached : end], session.cache, 1)
+                session.num_cached = end
         finally:
             session.busy -= 1
         self.store.update_size(session)
@@ -339,21 +347,30 @@ class VerifierEngine:
 class BatchScheduler:
     """Collects rounds from concurrent requests and runs them in batches on the model thread."""
 
-    def __init__(self, engine: VerifierEngine, max_batch_size: int, window_s: float) -> None:
+    def __init__(self, engine: VerifierEngine, max_batch_size: int, window_s: float,
+                 window_frac: float = 0.25, max_window_s: float = 0.05) -> None:
         self.engine, self.max_batch_size, self.window_s = engine, max(1, max_batch_size), window_s
+        self.window_frac, self.max_window_s = window_frac, max(max_window_s, window_s)
         self._queue: list[tuple[_Item, int | None]] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.running = 0
         self._recent: dict[str, float] = {}  # session id -> last submit time
+        self._pass_s = 0.0  # EMA of one model pass (sets how long waiting for company may take)
 
-    def _others_active(self, horizon_s: float = 0.25) -> bool:
-        """Wait for company only if more than one session submitted rounds lately (a lone client never
-        pays the batching window)."""
+    def _active(self, horizon_s: float = 0.25) -> set[str]:
+        """Sessions that submitted rounds lately (their clients are likely to send the next one soon)."""
         now = time.perf_counter()
         for sid in [sid for sid, t in self._recent.items() if now - t > horizon_s]:
             del self._recent[sid]
-        return len(self._recent) > 1
+        return set(self._recent)
+
+    def window(self) -> float:
+        """How long a batch may wait for the other active sessions' rounds: a fraction of a model pass
+        (their clients' turnaround is usually much shorter), at least the configured window."""
+        if self.window_s <= 0:
+            return 0.0
+        return min(self.max_window_s, max(self.window_s, self.window_frac * self._pass_s))
 
     @property
     def waiting(self) -> int:
@@ -374,20 +391,35 @@ class BatchScheduler:
             raise outcome.error
         return outcome.reply
 
+    async def _gather_company(self) -> None:
+        """Wait (up to :meth:`window`) until every active session has a round queued or the batch is full.
+        A lone client never waits."""
+        active = self._active()
+        if len(active) < 2 or len(self._queue) >= self.max_batch_size:
+            return
+        deadline = time.perf_counter() + self.window()
+        while len(self._queue) < self.max_batch_size and not active <= {it.session.id for it, _ in self._queue}:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
+
     async def _loop(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             if not self._queue:
                 continue
-            if len(self._queue) < self.max_batch_size and self.window_s > 0 and self._others_active():
-                await asyncio.sleep(self.window_s)  # let concurrent rounds join this batch
             while self._queue:
+                await self._gather_company()
                 batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
                 items = [b[0] for b in batch]
                 self.running = len(items)
                 for it in items:
                     it.session.busy += 1
+                t0 = time.perf_counter()
                 try:
                     outcomes = await self.engine.run_on_model(self.engine.execute, items, [b[1] for b in batch])
                 except Exception as e:  # the whole pass failed: every item gets the error
@@ -396,6 +428,8 @@ class BatchScheduler:
                     for it in items:
                         it.session.busy -= 1
                     self.running = 0
+                elapsed = time.perf_counter() - t0
+                self._pass_s = elapsed if self._pass_s == 0 else 0.8 * self._pass_s + 0.2 * elapsed
                 for it, out in zip(items, outcomes, strict=True):
                     if not it.future.done():
                         it.future.set_result(out)

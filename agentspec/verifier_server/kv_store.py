@@ -8,6 +8,8 @@ while) so the client gets ``session_evicted`` and resends its prefix.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import hmac
 import secrets
@@ -73,6 +75,14 @@ class KVStore:
         self._remember = remember_evicted
         self._lock = threading.RLock()
         self.evictions = 0
+        self.bytes_per_token = 0  # KV bytes per cached position (set by the engine after its warm-up)
+        # Every round re-allocates a session's KV (the cache grows by concatenation) and frees the old
+        # tensors; glibc keeps freed pages, so RSS would creep above the cap. After this many freed bytes
+        # they are handed back to the OS.
+        # (A trim costs ~1 ms; KV on a GPU does not live on the heap.)
+        on_cpu = getattr(getattr(model, "device", None), "type", "cpu") == "cpu"
+        self.trim_every_bytes = 16 * 1024**2 if on_cpu else None
+        self._churn = 0
 
     # -- lookup ------------------------------------------------------------------------------------
 
@@ -105,11 +115,16 @@ class KVStore:
                ) -> tuple[Session, int]:
         """A new session for ``tokens``; its cache starts from the longest cached prefix ``owner`` has.
 
+        Room for the whole prompt's KV is made *before* the prefill (evicting least recently used
+        sessions, never the prefix donor), so the cap holds while the new cache grows.
         Returns the session and how many positions were reused.
         """
         with self._lock:
             self._make_room_for_session()
             donor, reuse = self._best_prefix(owner, tokens)
+            need = self.bytes_per_token * len(tokens)
+            if need:
+                self._evict_until(self.capacity_bytes - need, keep=donor.id if donor is not None else None)
             cache = models.new_cache(self.model)
             if donor is not None and reuse > 0:
                 cache = models.copy_cache_prefix(self.model, donor.cache, reuse)
@@ -142,8 +157,13 @@ class KVStore:
     def update_size(self, session: Session) -> None:
         """Re-measure a session's KV bytes after a round and evict others if over the cap."""
         with self._lock:
-            session.nbytes = models.cache_nbytes(session.cache)
-            self._evict_until(self.capacity_bytes, keep=session.id)
+            nbytes = models.cache_nbytes(session.cache)
+            self._churn += max(session.nbytes, nbytes)  # what this round (or a chunked prefill) freed, roughly
+            session.nbytes = nbytes
+            evicted = self._evict_until(self.capacity_bytes, keep=session.id)
+            if not evicted and self.trim_every_bytes is not None and self._churn > self.trim_every_bytes:
+                _return_freed_memory()
+                self._churn = 0
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -167,12 +187,21 @@ class KVStore:
                                     code="server_busy", status=503)
             self._evict(victim)
 
-    def _evict_until(self, capacity: int, keep: str | None = None) -> None:
-        while sum(s.nbytes for s in self._sessions.values()) > capacity:
+    def _evict_until(self, capacity: int, keep: str | None = None) -> bool:
+        """Evict LRU sessions (closed ones first) until the KV bytes fit ``capacity``; True if any went."""
+        used = sum(s.nbytes for s in self._sessions.values())
+        evicted = False
+        while used > capacity:
             victim = self._victim(keep)
             if victim is None:
-                return  # only busy sessions left: they finish their round, then become evictable
+                break  # only busy sessions left: they finish their round, then become evictable
+            used -= victim.nbytes
             self._evict(victim)
+            evicted = True
+        if evicted:
+            _return_freed_memory()
+            self._churn = 0
+        return evicted
 
     def _victim(self, keep: str | None = None) -> Session | None:
         closed = [s for s in self._sessions.values() if s.closed and not s.busy and s.id != keep]
@@ -189,6 +218,17 @@ class KVStore:
             while len(self._evicted) > self._remember:
                 self._evicted.popitem(last=False)
         self.evictions += 1
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+
+
+def _return_freed_memory() -> None:
+    """Give freed heap pages back to the OS after an eviction (glibc keeps them otherwise, and the
+    process's RSS would stay above the KV cap). A no-op where there is no ``malloc_trim``."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:

@@ -104,7 +104,29 @@ def test_mode_policy_hysteresis_and_probing():
         calm.choose()
         calm.observe_segment(m, cost)
     assert calm.choose() == "edge"
-    calm.observe_segment("server", 0.0095)  # barely cheaper: within the hysteresis, stay on edge
+    calm.observe_segment("server", 0.0097)  # barely cheaper: within the hysteresis, stay on edge
     assert calm.choose() == "edge"
     calm.observe_segment("server", 0.005)  # clearly cheaper: switch
     assert calm.choose() == "server"
+
+
+def test_mode_policy_probes_back_off_while_they_lose():
+    """A probe that finds its mode 3x worse doubles that mode's probe interval; a competitive one resets it."""
+    policy = ModePolicy(has_drafter=False, probe_every=4, ema=1.0)
+    costs = {"server": 0.010, "server-ar": 0.030}
+    probes = []
+    for i in range(200):
+        mode = policy.choose()
+        if mode == "server-ar" and i > 1:
+            probes.append(i)
+        policy.observe_segment(mode, costs[mode])
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps[:4] == [8, 16, 32, 64] and len(probes) <= 7, probes
+    costs["server-ar"] = 0.0101  # now competitive: the next probe resets the interval
+    last = probes[-1]
+    for i in range(200, 200 + 2 * policy.max_probe_every):
+        mode = policy.choose()
+        policy.observe_segment(mode, costs[mode])
+        if mode == "server-ar" and i > last:
+            break
+    assert policy.probe_interval["server-ar"] == policy.probe_every

@@ -201,3 +201,31 @@ def test_sampled_edge_rounds_follow_the_target_distribution(client, target, wron
     tv = 0.5 * sum(abs(counts.get(t, 0) / n - float(p[t])) for t in range(p.shape[0]))
     assert tv < 0.07, (tv, counts, p[p > 0])
     assert any(r["drafted"] for r in out.rounds)
+
+
+def test_chunked_prefill_and_room_made_before_prefill(target, references):
+    """Prompts prefilled 7 tokens at a time give the same output; a new session's KV room is freed
+    (LRU eviction) before its prefill, so the KV bytes never pass the cap, even mid-prefill."""
+    one_session = 2 * 2 * 2 * 16 * 4 * 72  # layers * (k, v) * kv heads * head dim * fp32 bytes * ~72 positions
+    cap = int(one_session * 2.5)
+    with LoopbackServer(target, config(kv_cache_memory=cap, prefill_chunk_tokens=7)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        store, peak = srv.engine.store, []
+        assert store.bytes_per_token == 2 * 2 * 2 * 16 * 4  # measured at warm-up
+        hook = target.model.register_forward_pre_hook(
+            lambda *_: peak.append(sum(s.nbytes if s.cache is None else _nbytes(s.cache)
+                                       for s in list(store._sessions.values()))))
+        try:
+            for s in range(4):
+                c.post("/v1/spec/sessions", json={"prompt_ids": make_prompt(s, 64)}).raise_for_status()
+        finally:
+            hook.remove()
+        assert store.evictions >= 1 and peak and max(peak) <= cap
+        out = edge_generate(c, make_prompt(1), None, 0, MAX_NEW)
+        assert out.tokens == references[1]
+
+
+def _nbytes(cache) -> int:
+    from agentspec import models
+
+    return models.cache_nbytes(cache)
