@@ -1,0 +1,314 @@
+"""``ChatAgentSpec``: a LangChain chat model that runs each call through :class:`~agentspec.client.SpecClient`.
+
+Streaming is the primitive: ``_stream``/``_astream`` turn SpecClient events into chunks
+(:mod:`agentspec.adapters.langchain_io`), and ``_generate``/``_agenerate`` aggregate them. Async calls use
+``SpecClient.astream`` (native httpx.AsyncClient, no thread pool). The SpecClient is built on first use,
+never at construction, so constructing the model does not connect anywhere. Verifier failures surface
+as ``langchain_core.exceptions`` types (:mod:`agentspec.adapters.langchain_errors`), cause kept.
+
+Only verified tokens reach LangChain: text chunks hold committed text and each tool call arrives once,
+complete, as one ``tool_call_chunk``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from operator import itemgetter
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LanguageModelInput, ModelProfile
+from langchain_core.language_models.chat_models import (
+    BaseChatModel,
+    LangSmithParams,
+    agenerate_from_stream,
+    generate_from_stream,
+)
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import PydanticToolsParser
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils import secret_from_env
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
+
+from agentspec.adapters.langchain_errors import map_error
+from agentspec.adapters.langchain_io import (
+    ToolChoice,
+    add_instruction,
+    event_chunk,
+    final_chunk,
+    parse_tool_choice,
+    response_format_instruction,
+    to_chat_messages,
+)
+from agentspec.client import FinalEvent, SpecClient
+from agentspec.router import ModePolicy
+from agentspec.types import SamplingParams
+
+_CALL_KWARGS = {"tools", "tool_choice", "parallel_tool_calls", "response_format", "model", "temperature", "top_p",
+                "seed", "max_tokens", "mode", "stream", "ls_structured_output_format"}
+
+
+class ChatAgentSpec(BaseChatModel):
+    """A LangChain chat model served by agentspec-verifier(s), with speculative decoding and fallback.
+
+    ``model`` names the verifier's served target (reported as ``model_name``); ``base_url`` is one
+    verifier or several serving the same target (failover in order); ``fallback_model`` is a litellm model
+    id used when none is reachable. ``mode`` pins a decoding mode or lets the router choose (``auto``);
+    ``edge`` mode needs a local ``drafter`` sharing the target's tokenizer (``tokenizer`` is optional).
+    Greedy (``temperature`` 0 or unset) output is token-for-token the target's own greedy output.
+    """
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    model_name: str = Field(default="agentspec", alias="model")
+    """The verifier's ``--served-model-name``; reported as ``response_metadata["model_name"]``."""
+    base_url: str | list[str] | None = None
+    api_key: SecretStr | None = Field(default_factory=secret_from_env("AGENTSPEC_API_KEY", default=None))
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    """Most tokens to generate per call (default 512)."""
+    timeout: float | None = None
+    """Seconds per HTTP request to the verifier (default 60); not a deadline for the whole call."""
+    stop: list[str] | None = None
+    max_retries: int = 2
+    streaming: bool = False
+    mode: Literal["auto", "edge", "server", "server-ar", "api"] = "auto"
+    num_draft_tokens: int = Field(default=4, ge=0)
+    segment_tokens: int = Field(default=16, ge=1)
+    fallback_model: str | None = None
+    drafter: Any = Field(default=None, exclude=True)
+    """A local :class:`~agentspec.drafters.base.Drafter` (enables ``edge`` mode)."""
+    tokenizer: Any = Field(default=None, exclude=True)
+
+    _sync_client: SpecClient | None = PrivateAttr(default=None)
+    _async_clients: weakref.WeakKeyDictionary = PrivateAttr(default_factory=weakref.WeakKeyDictionary)
+    _policy: ModePolicy | None = PrivateAttr(default=None)
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatAgentSpec:
+        if not self.base_url and self.fallback_model is None:
+            raise ValueError("give base_url (one or more agentspec-verifier URLs) or a fallback_model")
+        if self.mode == "edge" and self.drafter is None:
+            raise ValueError("mode='edge' needs a local drafter (e.g. agentspec.drafters.NgramDrafter())")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        return self
+
+    # -- identity ----------------------------------------------------------------------------------
+
+    @property
+    def _llm_type(self) -> str:
+        return "agentspec"
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """Not serialisable: a drafter and a tokenizer are live objects."""
+        return False
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "base_url": self.base_url, "mode": self.mode,
+                "num_draft_tokens": self.num_draft_tokens, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, "fallback_model": self.fallback_model}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider="agentspec", ls_model_name=kwargs.get("model") or self.model_name,
+                                 ls_model_type="chat", ls_temperature=kwargs.get("temperature", self.temperature))
+        if (max_tokens := kwargs.get("max_tokens", self.max_tokens)) is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stop := stop or self.stop:
+            params["ls_stop"] = stop
+        return params
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        """What this model supports: text in, text and tool calls out (see the fields' comments)."""
+        return ModelProfile(
+            text_inputs=True, image_inputs=False, image_url_inputs=False, pdf_inputs=False, audio_inputs=False,
+            video_inputs=False, image_tool_message=False, pdf_tool_message=False, text_outputs=True,
+            image_outputs=False, audio_outputs=False, video_outputs=False, reasoning_output=False,
+            tool_calling=True, tool_call_streaming=True,
+            tool_choice=True,  # by instruction + a check of the verified calls, not constrained decoding
+            structured_output=False,  # JSON modes are prompted and parsed, not grammar-enforced (yet)
+            temperature=True, attachment=False,
+        )
+
+    # -- the SpecClient, built lazily --------------------------------------------------------------
+
+    def _new_client(self) -> SpecClient:
+        if self._policy is None:  # shared by all clients of this model: one set of measurements
+            self._policy = ModePolicy(has_drafter=self.drafter is not None, has_api=self.fallback_model is not None)
+        return SpecClient(self.base_url, api_key=self.api_key.get_secret_value() if self.api_key else None,
+                          drafter=self.drafter, tokenizer=self.tokenizer, num_draft_tokens=self.num_draft_tokens,
+                          mode=self.mode, fallback_model=self.fallback_model, timeout=self.timeout or 60.0,
+                          retries=self.max_retries, segment_tokens=self.segment_tokens, policy=self._policy)
+
+    def _client(self) -> SpecClient:
+        with self._lock:
+            if self._sync_client is None:
+                self._sync_client = self._new_client()
+            return self._sync_client
+
+    def _aclient(self) -> SpecClient:
+        # httpx.AsyncClient's connections belong to one event loop: one SpecClient per loop.
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            client = self._async_clients.get(loop)
+            if client is None:
+                client = self._async_clients[loop] = self._new_client()
+            return client
+
+    # -- one call ----------------------------------------------------------------------------------
+
+    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+                 ) -> tuple[dict[str, Any], ToolChoice]:
+        """SpecClient.stream arguments for this call, and the tool choice to check afterwards."""
+        unknown = set(kwargs) - _CALL_KWARGS
+        if unknown:
+            raise TypeError(f"ChatAgentSpec got unsupported call arguments {sorted(unknown)}; "
+                            f"supported: {sorted(_CALL_KWARGS)}")
+        if kwargs.get("model") not in (None, self.model_name):
+            raise ValueError(f"this ChatAgentSpec serves {self.model_name!r}, not {kwargs['model']!r}; "
+                             "create another ChatAgentSpec for another verifier")
+        tools = kwargs.get("tools") or None
+        choice = parse_tool_choice(kwargs.get("tool_choice"), tools, kwargs.get("parallel_tool_calls"))
+        chat = to_chat_messages(messages, dict_arguments=False)  # render_chat parses them for templates
+        for text in (choice.instruction(), response_format_instruction(kwargs.get("response_format"))):
+            if text:
+                chat = add_instruction(chat, text)
+        temperature = kwargs.get("temperature", self.temperature) or 0.0
+        sampling = SamplingParams(temperature=temperature, top_p=kwargs.get("top_p", self.top_p) or 1.0,
+                                  seed=kwargs.get("seed", self.seed))
+        args = {"messages": chat, "tools": None if choice.kind == "none" else tools,
+                "max_tokens": kwargs.get("max_tokens") or self.max_tokens or 512, "sampling": sampling,
+                "stop": list(stop if stop is not None else self.stop or ()), "mode": kwargs.get("mode")}
+        return args, choice
+
+    def _finish(self, final: FinalEvent, choice: ToolChoice) -> ChatGenerationChunk:
+        choice.check(final.tool_calls, final.text)
+        return final_chunk(final, self.model_name)
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        args, choice = self._prepare(messages, stop, kwargs)
+        events = self._client().stream(**args)
+        try:
+            while True:
+                try:
+                    event = next(events, None)
+                except Exception as e:
+                    mapped = map_error(e)
+                    if mapped is None:
+                        raise
+                    raise mapped from e
+                if event is None:
+                    return
+                chunk = self._finish(event, choice) if isinstance(event, FinalEvent) else event_chunk(event)
+                if chunk is not None:
+                    if run_manager:
+                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                    yield chunk
+        finally:
+            events.close()  # a consumer that stops early ends the HTTP stream now, not at garbage collection
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
+                       ) -> AsyncIterator[ChatGenerationChunk]:
+        args, choice = self._prepare(messages, stop, kwargs)
+        events = self._aclient().astream(**args)
+        try:
+            while True:
+                try:
+                    event = await anext(events, None)
+                except Exception as e:
+                    mapped = map_error(e)
+                    if mapped is None:
+                        raise
+                    raise mapped from e
+                if event is None:
+                    return
+                chunk = self._finish(event, choice) if isinstance(event, FinalEvent) else event_chunk(event)
+                if chunk is not None:
+                    if run_manager:
+                        await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                    yield chunk
+        finally:
+            await events.aclose()
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
+
+    # -- tools and structured output ---------------------------------------------------------------
+
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool], *,
+                   tool_choice: str | dict[str, Any] | bool | None = None, strict: bool | None = None,
+                   parallel_tool_calls: bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (any form ``convert_to_openai_tool`` takes) and an optional ``tool_choice``.
+
+        ``tool_choice``: "auto" (default), "none" (tools are not shown to the target), "any"/"required",
+        a tool name, or ``{"type": "function", "function": {"name": ...}}``. Required and named choices are
+        asked for in a system instruction and checked on the verified output (``ToolChoiceError`` when
+        not met); decoding is not constrained. ``strict`` is recorded in the schemas but not enforced.
+        """
+        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        parse_tool_choice(tool_choice, formatted, parallel_tool_calls)  # fail here, not at call time
+        if tool_choice is not None:
+            kwargs["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(self, schema: dict[str, Any] | type, *, include_raw: bool = False,
+                               method: Literal["function_calling", "json_mode", "json_schema"] = "function_calling",
+                               strict: bool | None = None, **kwargs: Any
+                               ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """Answers parsed into ``schema`` (a Pydantic class, TypedDict, JSON schema or OpenAI tool).
+
+        ``function_calling`` forces a call to a tool built from the schema; ``json_mode`` and
+        ``json_schema`` ask for JSON text (the schema goes into a system instruction) and parse it.
+        Nothing constrains decoding yet, so a target that does not comply raises a parsing error
+        (or ``ToolChoiceError``); with ``include_raw=True`` parsing errors are returned instead.
+        """
+        if kwargs:
+            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        ls_format = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        parser: Runnable
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, strict=strict, ls_structured_output_format=ls_format)
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic  # type: ignore[list-item]
+                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        elif method in ("json_mode", "json_schema"):
+            if method == "json_mode":
+                response_format: dict[str, Any] = {"type": "json_object"}
+            else:
+                json_schema = convert_to_json_schema(schema)
+                response_format = {"type": "json_schema", "json_schema": {
+                    "name": json_schema.get("title", "response"), "schema": json_schema, "strict": strict}}
+            llm = self.bind(response_format=response_format, ls_structured_output_format=ls_format)
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"method must be 'function_calling', 'json_mode' or 'json_schema', got {method!r}")
+        if not include_raw:
+            return llm | parser
+        parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parse.with_fallbacks([fallback], exception_key="parsing_error")

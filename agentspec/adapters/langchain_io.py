@@ -1,0 +1,190 @@
+"""LangChain ⇄ SpecClient translation for :class:`~agentspec.adapters.langchain.ChatAgentSpec`.
+
+Input flow: LangChain messages → OpenAI-style dicts (text only; tool-call arguments as JSON objects, the
+form chat templates render) → a system instruction added when ``tool_choice`` or a JSON
+``response_format`` asks for one → ``SpecClient.stream(messages, tools)``.
+
+Output flow: each verified event becomes one chunk — ``TextEvent`` → content, ``ToolCallEvent`` → one
+complete ``tool_call_chunk`` (index, id, name, full arguments), ``FinalEvent`` → the last chunk
+(``chunk_position="last"``) carrying usage, finish reason and agentspec statistics. ``PreviewEvent``
+(unverified draft text) is dropped: a LangChain stream never shows a token that may be rolled back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.messages import AIMessageChunk, BaseMessage, convert_to_openai_messages
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.outputs import ChatGenerationChunk
+
+from agentspec.adapters.langchain_errors import ToolChoiceError
+from agentspec.client import FinalEvent, TextEvent, ToolCallEvent
+
+
+def to_chat_messages(messages: Sequence[BaseMessage], dict_arguments: bool = True) -> list[dict[str, Any]]:
+    """OpenAI-style message dicts with string content; ``dict_arguments`` parses tool-call arguments.
+
+    Chat templates (Qwen, Llama, Hermes) render ``arguments`` with ``tojson`` and expect an object;
+    a JSON string would be quoted twice. Plain provider APIs (the litellm fallback) expect the string.
+    """
+    out = []
+    for m in convert_to_openai_messages(list(messages), text_format="string"):
+        content = m.get("content")
+        if isinstance(content, list):
+            m["content"] = _text_of(content, m["role"])
+        m["content"] = m["content"] or ""
+        if dict_arguments:
+            for call in m.get("tool_calls") or ():
+                fn = call["function"]
+                fn["arguments"] = json.loads(fn["arguments"] or "{}")
+        out.append(m)
+    return out
+
+
+# Blocks whose information travels elsewhere (tool calls in ``tool_calls``) or not at all (reasoning):
+# ``output_version="v1"`` messages carry them in their content.
+_NOT_CONTENT = {"tool_call", "tool_call_chunk", "invalid_tool_call", "tool_use", "reasoning", "thinking"}
+
+
+def _text_of(blocks: list[Any], role: str) -> str:
+    """The text of a content-block list; raises ValueError for images, audio, files and the like."""
+    texts, other = [], set()
+    for b in blocks:
+        kind = b.get("type") if isinstance(b, dict) else "text"
+        if kind == "text":
+            texts.append(b["text"] if isinstance(b, dict) else str(b))
+        elif kind not in _NOT_CONTENT:
+            other.add(str(kind))
+    if other:
+        raise ValueError(f"agentspec targets take text only; a {role} message has {sorted(other)} content "
+                         "blocks. Send text, or describe the attachment in words.")
+    return "\n".join(texts)
+
+
+def add_instruction(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """Append ``text`` to the leading system message (one is inserted if there is none).
+
+    The leading message, not the last one, so an agent that always sends the same instruction keeps
+    its prompt prefix, and the verifier's cached prefix, stable from step to step.
+    """
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        first["content"] = f"{first.get('content') or ''}\n\n{text}".lstrip()
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What ``tool_choice`` asks for: ``kind`` is ``auto``, ``none``, ``any`` or ``named`` (``name`` set).
+
+    ``single`` is ``parallel_tool_calls=False``. Enforced by a system instruction plus a check of the
+    verified calls (:meth:`check`), not by constrained decoding.
+    """
+
+    kind: str = "auto"
+    name: str | None = None
+    single: bool = False
+    allowed: tuple[str, ...] = ()  # the bound tools' names: "any" means a call to one of these
+
+    def instruction(self) -> str | None:
+        """The system instruction that asks the target for this choice, if any."""
+        if self.kind == "any":
+            text = "You must answer with a call to one of the provided functions."
+        elif self.kind == "named":
+            text = f"You must answer with a call to the function {self.name}."
+        else:
+            return "Call at most one function." if self.single and self.kind == "auto" else None
+        return text + (" Call exactly one function." if self.single else "")
+
+    def check(self, calls: Sequence[ToolCallEvent], text: str) -> None:
+        """Raise :class:`ToolChoiceError` when the verified calls do not satisfy this choice."""
+        if self.single and len(calls) > 1:
+            raise ToolChoiceError(f"parallel_tool_calls=False but the target made {len(calls)} calls "
+                                  f"({', '.join(c.name for c in calls)}).", raw_text=text)
+        if self.kind == "any" and not calls:
+            raise ToolChoiceError("tool_choice requires a tool call but the target answered with text only. "
+                                  "agentspec does not constrain decoding to the tool grammar yet; use a target "
+                                  "that follows tool instructions, or tool_choice='auto'.", raw_text=text)
+        unknown = [c.name for c in calls if c.name not in self.allowed]
+        if self.kind == "any" and unknown:
+            raise ToolChoiceError(f"tool_choice requires a call to one of {list(self.allowed)} but the target "
+                                  f"called {unknown}.", raw_text=text)
+        if self.kind == "named":
+            wrong = [c.name for c in calls if c.name != self.name]
+            if not calls or wrong:
+                got = f"called {wrong}" if wrong else "answered with text only"
+                raise ToolChoiceError(f"tool_choice requires a call to {self.name!r} but the target {got}. "
+                                      "agentspec does not constrain decoding to the tool grammar yet.",
+                                      raw_text=text)
+
+
+_RESERVED = {"auto", "none", "any", "required"}
+
+
+def parse_tool_choice(tool_choice: Any, tools: Sequence[dict[str, Any]] | None,
+                      parallel_tool_calls: bool | None = None) -> ToolChoice:
+    """Normalise every LangChain/OpenAI form: "auto", "none", "any"/"required"/True, a name, or
+    ``{"type": "function", "function": {"name": ...}}``; raises ValueError for a tool not in ``tools``."""
+    single = parallel_tool_calls is False
+    names = [t["function"]["name"] for t in tools or ()]
+    if tool_choice is None or tool_choice == "auto":
+        return ToolChoice("auto", single=single, allowed=tuple(names))
+    if tool_choice == "none" or tool_choice is False:
+        return ToolChoice("none", allowed=tuple(names))
+    if tool_choice in ("any", "required") or tool_choice is True:
+        kind, name = "any", None
+    elif isinstance(tool_choice, str):
+        kind, name = "named", tool_choice
+    elif isinstance(tool_choice, dict):
+        fn = tool_choice.get("function") if isinstance(tool_choice.get("function"), dict) else tool_choice
+        kind, name = "named", fn.get("name")
+        if not isinstance(name, str) or name in _RESERVED:
+            raise ValueError(f"tool_choice dict must name a function, got {tool_choice!r}")
+    else:
+        raise ValueError(f"unsupported tool_choice {tool_choice!r}: use 'auto', 'none', 'any', 'required', "
+                         "a tool name or {'type': 'function', 'function': {'name': ...}}")
+    if not names:
+        raise ValueError(f"tool_choice={tool_choice!r} needs tools; bind some with bind_tools()")
+    if kind == "named" and name not in names:
+        raise ValueError(f"tool_choice names {name!r}, which is not among the bound tools {names}")
+    return ToolChoice(kind, name, single, tuple(names))
+
+
+def response_format_instruction(response_format: dict[str, Any] | None) -> str | None:
+    """The system instruction for an OpenAI ``response_format`` (json_object / json_schema), if any."""
+    if not response_format or response_format.get("type") == "text":
+        return None
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return "Respond with one JSON object and nothing else."
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        schema = json.dumps(spec.get("schema", spec), ensure_ascii=False)
+        return f"Respond with one JSON object that matches this JSON schema, and nothing else:\n{schema}"
+    raise ValueError(f"unsupported response_format type {kind!r}: use 'text', 'json_object' or 'json_schema'")
+
+
+def event_chunk(event: Any) -> ChatGenerationChunk | None:
+    """The chunk for a verified text or tool-call event (None for previews and anything else)."""
+    if isinstance(event, TextEvent):
+        return ChatGenerationChunk(message=AIMessageChunk(content=event.text)) if event.text else None
+    if isinstance(event, ToolCallEvent):
+        tcc = tool_call_chunk(name=event.name, args=event.arguments, id=event.id, index=event.index)
+        return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[tcc]))
+    return None
+
+
+def final_chunk(final: FinalEvent, model_name: str) -> ChatGenerationChunk:
+    """The last chunk: usage (on this chunk only), finish reason, model name and agentspec statistics."""
+    usage = UsageMetadata(input_tokens=final.usage["prompt_tokens"], output_tokens=final.usage["completion_tokens"],
+                          total_tokens=final.usage["total_tokens"])
+    metadata = {"model_name": model_name, "finish_reason": final.finish_reason,
+                "agentspec": final.stats.to_dict()}
+    message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
+    return ChatGenerationChunk(message=message, generation_info={"finish_reason": final.finish_reason})
