@@ -1,0 +1,306 @@
+"""A litellm custom provider: ``litellm.completion(model="agentspec/<served-model>", api_base=URL, ...)``.
+
+Input flow: after :func:`register`, litellm routes ``agentspec/...`` calls to :class:`AgentSpecLLM` with
+the model name, OpenAI-style messages and ``optional_params`` (max_tokens, temperature, top_p, top_k,
+seed, stop, tools, tool_choice, and agentspec's ``mode``, ``num_draft_tokens``, ``segment_tokens``).
+:func:`~agentspec.adapters.litellm_request.parse_request` turns them into one frozen ``Request``:
+``api_base`` names the verifier(s) (comma-separated for failover), ``api_key`` the Bearer key (default
+``AGENTSPEC_API_KEY``). Drafting happens on the verifier (``mode`` auto, server or server-ar);
+``num_draft_tokens`` reaches :class:`SpecClient`, which uses it in edge mode only, so in server mode the
+verifier picks the draft length.
+
+Generation: every call runs :meth:`SpecClient.astream` (native async) in a task feeding a queue, and the
+caller waits on that queue under a deadline of ``timeout`` seconds — litellm passes ``timeout`` to custom
+providers but does not enforce it, so this module does: at the deadline the task is cancelled (its HTTP
+request with it) and ``litellm.Timeout`` is raised at once. Async calls run on the caller's event loop;
+sync calls run the same coroutine on one private event-loop thread (:class:`_LoopThread`). SpecClients
+(HTTP/2 keep-alive pools) are cached per event loop and settings.
+
+Output flow: only verified events leave: text as it is committed, a tool call once it is complete
+(litellm ``GenericStreamingChunk.tool_use``), never a preview. The last chunk carries the finish reason
+and usage (litellm shows it to the caller with ``stream_options={"include_usage": True}`` and always
+hands it to ``stream_chunk_builder``); the ``ModelResponse`` always has usage, ``finish_reason ==
+"tool_calls"`` when there are calls, and SpecClient's statistics in ``_hidden_params["agentspec"]``.
+Verifier errors become litellm exception types (unreachable → ``APIConnectionError``, 503 →
+``ServiceUnavailableError``, other 5xx → ``InternalServerError``, 401 → ``AuthenticationError``, timeouts
+→ ``Timeout``) so ``litellm.Router`` retries and fallbacks apply.
+
+``tool_choice``: ``"none"`` hides the tools; ``"auto"`` is the default; ``"required"`` and a named
+function are *not* enforced by constrained decoding — the named tool is kept alone and a hint is appended
+to the last user message (as the verifier's /v1/chat/completions does), so the model may still answer
+in text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import sys
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import httpx
+
+from agentspec.adapters.litellm_request import Request, UnsupportedRequest, parse_request
+from agentspec.client import FinalEvent, SpecClient, TextEvent, ToolCallEvent, _litellm
+from agentspec.transport import VerifierError, VerifierUnavailable
+
+litellm = _litellm()  # this module is imported only on demand; litellm comes with it (offline-safe settings)
+
+PROVIDER = "agentspec"
+DEFAULT_TIMEOUT_S = 600.0
+_MAX_CLIENTS_PER_LOOP = 16
+_background: set[asyncio.Task] = set()  # cancelled streams finishing their cleanup (kept from the GC)
+
+
+def register(provider: str = PROVIDER) -> AgentSpecLLM:
+    """Add the ``agentspec/`` provider to ``litellm.custom_provider_map`` (idempotent); return its handler."""
+    for item in litellm.custom_provider_map:
+        if item["provider"] == provider and isinstance(item["custom_handler"], AgentSpecLLM):
+            return item["custom_handler"]
+    handler = AgentSpecLLM()
+    litellm.custom_provider_map = [
+        *(i for i in litellm.custom_provider_map if i["provider"] != provider),
+        {"provider": provider, "custom_handler": handler},
+    ]
+    from litellm.utils import custom_llm_setup  # adds the name to litellm.provider_list / _custom_providers
+
+    custom_llm_setup()
+    return handler
+
+
+class AgentSpecLLM(litellm.CustomLLM):
+    """litellm ``CustomLLM`` backed by :class:`SpecClient` (see the module docstring).
+
+    litellm calls these methods with keyword arguments only; the ones not used here arrive in ``kwargs``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, SpecClient]] = (
+            weakref.WeakKeyDictionary())
+        self._lock = threading.Lock()
+        self._loop_thread = _LoopThread()
+
+    def completion(self, model: str, messages: list, api_base: str | None = None, api_key: str | None = None,
+                   optional_params: dict | None = None, model_response: Any = None, timeout: Any = None,
+                   **kwargs: Any) -> Any:
+        """Blocking chat completion: the async path, run on the adapter's private event-loop thread."""
+        req = _request(model, messages, api_base, api_key, optional_params, timeout)
+        final = None
+        for ev in self._loop_thread.iterate(lambda: self._events(req)):
+            final = ev
+        return _response(req, final, model_response)
+
+    def streaming(self, model: str, messages: list, api_base: str | None = None, api_key: str | None = None,
+                  optional_params: dict | None = None, timeout: Any = None, **kwargs: Any
+                  ) -> Iterator[dict[str, Any]]:
+        """Blocking stream of ``GenericStreamingChunk`` dicts: verified text and complete tool calls only."""
+        req = _request(model, messages, api_base, api_key, optional_params, timeout)
+        for ev in self._loop_thread.iterate(lambda: self._events(req)):
+            chunk = _chunk(ev)
+            if chunk is not None:
+                yield chunk
+
+    async def acompletion(self, model: str, messages: list, api_base: str | None = None,
+                          api_key: str | None = None, optional_params: dict | None = None,
+                          model_response: Any = None, timeout: Any = None, **kwargs: Any) -> Any:
+        """Async chat completion on the caller's event loop."""
+        req = _request(model, messages, api_base, api_key, optional_params, timeout)
+        final = None
+        async for ev in self._events(req):
+            final = ev
+        return _response(req, final, model_response)
+
+    async def astreaming(self, model: str, messages: list, api_base: str | None = None,
+                         api_key: str | None = None, optional_params: dict | None = None, timeout: Any = None,
+                         **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        """Async stream of ``GenericStreamingChunk`` dicts on the caller's event loop."""
+        req = _request(model, messages, api_base, api_key, optional_params, timeout)
+        async for ev in self._events(req):
+            chunk = _chunk(ev)
+            if chunk is not None:
+                yield chunk
+
+    async def _events(self, req: Request) -> AsyncIterator[Any]:
+        """SpecClient events under the request's deadline, with errors translated for litellm.
+
+        The SpecClient stream runs in its own task feeding a queue, so the deadline holds exactly: on
+        timeout the task is cancelled and left to close its verifier session in the background.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.timeout_s if req.timeout_s is not None else None
+        client = self._client(req, loop)
+        events: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+
+        async def produce() -> None:
+            try:
+                async for ev in client.astream(req.messages, req.tools, max_tokens=req.max_tokens,
+                                               sampling=req.sampling, stop=req.stop, mode=req.mode):
+                    events.put_nowait((True, ev))
+                events.put_nowait((False, None))
+            except Exception as e:  # raised to the consumer below
+                events.put_nowait((False, e))
+
+        task = loop.create_task(produce())
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+        try:
+            while True:
+                try:
+                    async with _timeout_at(deadline):  # spans only the wait, never a yield to the caller
+                        ok, item = await events.get()
+                except TimeoutError as e:
+                    raise litellm.Timeout(message=f"agentspec: no complete answer within {req.timeout_s} s",
+                                          model=req.model, llm_provider=PROVIDER) from e
+                if ok:
+                    yield item
+                elif item is None:
+                    return
+                elif isinstance(item, VerifierError):
+                    raise _translate(item, req.model) from item
+                elif isinstance(item, ValueError):  # SpecClient's argument checks
+                    raise litellm.BadRequestError(message=str(item), model=req.model, llm_provider=PROVIDER) from item
+                else:
+                    raise item
+        finally:
+            task.cancel()  # no-op once finished; otherwise SpecClient's cleanup runs in the background
+
+    def _client(self, req: Request, loop: asyncio.AbstractEventLoop) -> SpecClient:
+        # An httpx.AsyncClient's pool belongs to one event loop: cache per loop, then per settings.
+        with self._lock:
+            per_loop = self._clients.setdefault(loop, {})
+            client = per_loop.get(req.client_key)
+            if client is None:
+                if len(per_loop) >= _MAX_CLIENTS_PER_LOOP:  # settings vary without bound: drop the oldest
+                    per_loop.pop(next(iter(per_loop))).close()
+                client = SpecClient(list(req.urls), api_key=req.api_key, num_draft_tokens=req.num_draft_tokens,
+                                    timeout=req.timeout_s or DEFAULT_TIMEOUT_S, segment_tokens=req.segment_tokens)
+                per_loop[req.client_key] = client
+            return client
+
+
+class _LoopThread:
+    """One private event loop on a daemon thread; sync calls iterate an async generator run on it."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="agentspec-litellm", daemon=True).start()
+            return self._loop
+
+    def iterate(self, make: Callable[[], AsyncIterator[Any]]) -> Iterator[Any]:
+        """Yield ``make()``'s items in this thread; the generator runs as one task on the private loop."""
+        items: queue.Queue[tuple[bool, Any]] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for item in make():
+                    items.put((True, item))
+                items.put((False, None))
+            except Exception as e:  # delivered to the consuming thread, raised there
+                items.put((False, e))
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._get())
+        try:
+            while True:
+                ok, item = items.get()
+                if ok:
+                    yield item
+                elif item is None:
+                    return
+                else:
+                    raise item
+        finally:
+            future.cancel()  # the consumer stopped early: cancel the request (no-op when it finished)
+
+
+def _request(model: str, messages: list, api_base: str | None, api_key: str | None,
+             optional_params: dict | None, timeout: Any) -> Request:
+    try:
+        return parse_request(model, messages, api_base, api_key, optional_params or {}, timeout)
+    except UnsupportedRequest as e:
+        raise litellm.BadRequestError(message=str(e), model=model, llm_provider=PROVIDER) from e
+
+
+def _response(req: Request, final: FinalEvent | None, model_response: Any) -> Any:
+    """Fill litellm's ``ModelResponse`` from the final event (content, OpenAI tool calls, usage)."""
+    assert isinstance(final, FinalEvent), "SpecClient streams end with a FinalEvent"
+    response = model_response if model_response is not None else litellm.ModelResponse()
+    calls = [_openai_call(c) for c in final.tool_calls]
+    response.choices[0].message = litellm.Message(content=final.text or (None if calls else ""),
+                                                  role="assistant", tool_calls=calls or None)
+    response.choices[0].finish_reason = final.finish_reason
+    response.model = req.model
+    response.usage = litellm.Usage(**final.usage)
+    response._hidden_params["agentspec"] = final.stats.to_dict()
+    return response
+
+
+def _chunk(ev: Any) -> dict[str, Any] | None:
+    """A ``GenericStreamingChunk`` for a verified event; ``None`` for a preview (never streamed)."""
+    chunk: dict[str, Any] = {"text": "", "tool_use": None, "is_finished": False, "finish_reason": "",
+                             "usage": None, "index": 0}
+    if isinstance(ev, TextEvent):
+        return {**chunk, "text": ev.text} if ev.text else None
+    if isinstance(ev, ToolCallEvent):
+        return {**chunk, "tool_use": {**_openai_call(ev), "index": ev.index}}
+    if isinstance(ev, FinalEvent):
+        return {**chunk, "is_finished": True, "finish_reason": ev.finish_reason, "usage": dict(ev.usage)}
+    return None
+
+
+def _openai_call(call: ToolCallEvent) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _translate(e: VerifierError, model: str) -> Exception:
+    """A verifier error as the litellm exception type that Router retries and fallbacks understand."""
+    msg, kw = f"agentspec verifier: {e}", {"model": model, "llm_provider": PROVIDER}
+    if any(isinstance(c, httpx.TimeoutException) for c in _causes(e)):
+        return litellm.Timeout(message=msg, **kw)
+    if isinstance(e, VerifierUnavailable) and e.status is None:
+        return litellm.APIConnectionError(message=msg, **kw)
+    by_status = {400: litellm.BadRequestError, 401: litellm.AuthenticationError, 404: litellm.NotFoundError,
+                 413: litellm.BadRequestError, 422: litellm.BadRequestError, 429: litellm.RateLimitError,
+                 503: litellm.ServiceUnavailableError}
+    if e.status in by_status:
+        return by_status[e.status](message=msg, **kw)
+    if e.status is not None and e.status >= 500:
+        return litellm.InternalServerError(message=msg, **kw)
+    return litellm.APIError(status_code=e.status or 500, message=msg, **kw)
+
+
+def _causes(e: BaseException | None) -> Iterator[BaseException]:
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+if sys.version_info >= (3, 11):
+    _timeout_at = asyncio.timeout_at
+else:  # pragma: no cover - Python 3.10 has no asyncio.timeout_at
+
+    @contextlib.asynccontextmanager
+    async def _timeout_at(deadline: float | None) -> AsyncIterator[None]:
+        if deadline is None:
+            yield
+            return
+        task, fired = asyncio.current_task(), []
+        handle = asyncio.get_running_loop().call_at(deadline, lambda: (fired.append(1), task.cancel()))
+        try:
+            yield
+        except asyncio.CancelledError as e:
+            if fired:
+                raise TimeoutError from e
+            raise
+        finally:
+            handle.cancel()

@@ -1,0 +1,152 @@
+"""litellm's call arguments → one validated :class:`Request` for :class:`agentspec.client.SpecClient`.
+
+Pure: no litellm import, no I/O. Messages become plain JSON dicts (litellm ``Message`` objects from an
+agent's history are accepted); ``tool_choice`` is applied here (see :func:`_apply_tool_choice`). :func:`parse_request` raises :class:`UnsupportedRequest` (a
+``ValueError``) for what agentspec cannot honour; the provider (:mod:`agentspec.adapters.litellm`) turns it
+into ``litellm.BadRequestError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from agentspec.types import SamplingParams
+
+_log = logging.getLogger("agentspec.litellm")
+
+DEFAULT_API_BASE = "http://127.0.0.1:8000"
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_NUM_DRAFT_TOKENS = 4
+DEFAULT_SEGMENT_TOKENS = 16
+# Accepted and deliberately ignored: they do not change what the verifier generates.
+_IGNORED = frozenset({"stream", "stream_options", "parallel_tool_calls", "user", "metadata", "extra_headers",
+                      "extra_body", "max_retries", "n"})
+_EXTRAS = ("mode", "num_draft_tokens", "segment_tokens")  # agentspec's own knobs, via optional_params
+
+
+class UnsupportedRequest(ValueError):
+    """A litellm argument agentspec cannot honour (the message says what to change)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One chat call, validated: everything :class:`SpecClient` needs."""
+
+    model: str
+    urls: tuple[str, ...]
+    api_key: str | None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    timeout_s: float | None
+    mode: str | None
+    num_draft_tokens: int
+    segment_tokens: int
+
+    @property
+    def client_key(self) -> tuple[Any, ...]:
+        return self.urls, self.api_key, self.timeout_s, self.num_draft_tokens, self.segment_tokens
+
+
+def parse_request(model: str, messages: list[Any], api_base: str | None, api_key: str | None,
+                  optional_params: dict[str, Any], timeout: Any) -> Request:
+    """Validate litellm's arguments; raises :class:`UnsupportedRequest` for what agentspec cannot honour."""
+    params = dict(optional_params or {})
+    bad = UnsupportedRequest
+
+    if int(params.get("n") or 1) != 1:
+        raise bad("agentspec generates one choice per request (n=1)")
+    rf = params.pop("response_format", None)
+    if rf and (rf.get("type") if isinstance(rf, dict) else rf) not in (None, "text"):
+        raise bad("response_format is not supported by the agentspec provider; use tools instead")
+    base = api_base or os.environ.get("AGENTSPEC_API_BASE") or DEFAULT_API_BASE
+    urls = tuple(_strip_v1(u) for u in base.split(",") if u.strip())
+    tools = params.pop("tools", None) or None
+    messages = [_plain(m) for m in messages]
+    tools, messages = _apply_tool_choice(params.pop("tool_choice", None), tools, messages)
+    stop = params.pop("stop", None) or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    limits = [params.pop(k, None) for k in ("max_completion_tokens", "max_tokens")]
+    max_tokens = next((v for v in limits if v is not None), DEFAULT_MAX_TOKENS)
+    try:
+        sampling = SamplingParams(temperature=float(params.pop("temperature", None) or 0.0),
+                                  top_p=float(params.pop("top_p", None) or 1.0),
+                                  top_k=int(params.pop("top_k", None) or 0), seed=params.pop("seed", None))
+    except ValueError as e:
+        raise bad(str(e)) from e
+    extras = {k: params.pop(k) for k in _EXTRAS if params.get(k) is not None}
+    mode = extras.get("mode")
+    if mode not in (None, "auto", "server", "server-ar"):
+        raise bad(f"mode must be auto, server or server-ar, got {mode!r} (edge mode needs a local drafter, "
+                  "api mode a fallback model; through litellm, drafting happens on the verifier)")
+    if int(max_tokens) < 1:
+        raise bad(f"max_tokens must be >= 1, got {max_tokens}")
+    unknown = sorted(k for k in params if k not in _IGNORED and params[k] is not None)
+    if unknown:
+        _log.warning("agentspec provider ignores unsupported parameters: %s", ", ".join(unknown))
+    return Request(model=model, urls=urls, api_key=api_key or os.environ.get("AGENTSPEC_API_KEY"),
+                   messages=messages, tools=tools, max_tokens=int(max_tokens), sampling=sampling, stop=stop,
+                   timeout_s=_seconds(timeout), mode=mode, num_draft_tokens=int(extras.get("num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS)),
+                   segment_tokens=int(extras.get("segment_tokens", DEFAULT_SEGMENT_TOKENS)))
+
+
+def _apply_tool_choice(choice: Any, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]
+                       ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
+    """``none`` hides the tools; ``required``/named add a hint (not enforced: no constrained decoding)."""
+    if choice in (None, "auto") or not tools:
+        if choice not in (None, "auto", "none"):
+            raise UnsupportedRequest(f"tool_choice {choice!r} needs tools")
+        return tools, messages
+    if choice == "none":
+        return None, messages
+    if choice == "required":
+        return tools, _hint(messages, "Answer with a function call.")
+    name = ((choice.get("function") or {}).get("name") if isinstance(choice, dict) else None)
+    named = [t for t in tools if (t.get("function") or {}).get("name") == name]
+    if not named:
+        raise UnsupportedRequest(f"tool_choice must be 'none', 'auto', 'required' or name one of the tools, got {choice!r}")
+    return named, _hint(messages, f"Call the function {name}.")
+
+
+def _hint(messages: list[dict[str, Any]], hint: str) -> list[dict[str, Any]]:
+    last = messages[-1]
+    if last.get("role") != "user" or not isinstance(last.get("content"), str):
+        return messages
+    return [*messages[:-1], {**last, "content": f"{last['content']}\n\n{hint}"}]
+
+
+def _plain(message: Any) -> dict[str, Any]:
+    """A JSON-ready message dict (litellm/pydantic ``Message`` objects are accepted, ``None`` fields dropped)."""
+    if hasattr(message, "model_dump"):
+        message = message.model_dump()
+    out = {k: v for k, v in dict(message).items() if v is not None and k != "provider_specific_fields"}
+    content = out.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        out["content"] = "".join(p.get("text", "") for p in content)  # text parts → the string templates expect
+    if out.get("role") == "assistant" and "content" not in out:
+        out["content"] = ""
+    if out.get("tool_calls"):
+        out["tool_calls"] = [_plain(c) for c in out["tool_calls"]]
+    return out
+
+
+def _strip_v1(url: str) -> str:
+    url = url.strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _seconds(timeout: Any) -> float | None:
+    """litellm's ``timeout`` (seconds, a string, an ``httpx.Timeout`` or ``None``) as seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, httpx.Timeout):
+        values = [v for v in (timeout.read, timeout.connect, timeout.write, timeout.pool) if v is not None]
+        return max(values) if values else None
+    return float(timeout)
