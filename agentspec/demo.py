@@ -1,38 +1,40 @@
-"""The quick-start job: speculative vs plain generation of agent tool calls on the offline default model.
+"""The quick-start job: a LangGraph agent on the offline default model, plain vs speculative.
 
-Loads Qwen2.5-Coder-0.5B-Instruct (shipped inside PyPI packages, no hub), renders a few agent steps
-with tools through the model's own chat template, and generates each one twice side by side — plain
-greedy decoding and agentspec's speculative engine — printing the answer, whether the two outputs are
-identical, mean accepted length and the measured speed-up. The engine measures the verify-cost curve
-first and drafts, each round, as many tokens as pay for themselves (``agentspec.router``).
+Loads Qwen2.5-Coder-0.5B-Instruct (shipped inside PyPI packages, no hub), starts an agentspec-verifier
+on loopback in this process, and runs the same ``langchain.agents.create_agent`` agent twice on a few
+multi-step tool tasks — once decoding plainly on the verifier (``server-ar``), once with speculative
+decoding (``auto``: the router picks edge or server-side n-gram drafting per segment). Both runs use the
+same target and greedy decoding, so every message must be identical; the demo prints the answers, each
+tool call, and per model call the modes chosen, the mean accepted length and the measured speed-up.
+
+fp32 by default: on this kind of CPU a 16-token verify pass costs ~2.5x a one-token pass in fp32 (far
+more in bf16), so long copied spans — a file rewritten with a one-line fix — pay off most there.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather for a city.",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file from the project.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
-]
-
-STEPS = [
-    [{"role": "user", "content": "What's the weather in Lisbon, in celsius?"}],
-    [{"role": "user", "content": "Open the file agentspec/verifier_server/kv_store.py and summarise it."}],
-    [
-        {"role": "user", "content": "Compare the weather in Oslo and in Buenos Aires."},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "call_1", "function": {
-            "name": "get_weather", "arguments": json.dumps({"city": "Oslo", "unit": "celsius"})}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"city": "Oslo", "temp_c": -3})},
-    ],
+FILES = {
+    "stats.py": (
+        "def mean(values):\n"
+        "    total = 0\n"
+        "    for value in values:\n"
+        "        total += value\n"
+        "    return total / (len(values) - 1)\n"
+        "\n"
+        "\n"
+        "def clamp(value, low, high):\n"
+        "    return max(low, min(value, high))\n"
+    ),
+}
+WEATHER = {"lisbon": 21, "oslo": -3, "buenos aires": 17}
+TASKS = [
+    "Show me the full content of the file stats.py.",
+    "What is the weather in Lisbon, in celsius?",
 ]
 
 
@@ -41,54 +43,156 @@ class DemoConfig:
     model: str = "qwen2.5-coder-0.5b-instruct"
     dtype: str = "float32"
     device: str = "auto"
-    num_draft_tokens: int = 8
-    max_new_tokens: int = 96
+    num_draft_tokens: int = 12
+    max_new_tokens: int = 320
+
+
+@dataclass
+class Call:
+    """One model call of the agent: its wall time, output and agentspec statistics."""
+
+    seconds: float
+    text: str
+    tool_calls: list[dict[str, Any]]
+    tokens: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def make_tools(files: dict[str, str]) -> list[Any]:
+    """The agent's tools over an in-memory project (a fresh copy per run, so both runs see the same world)."""
+    from langchain_core.tools import tool
+
+    @tool
+    def read_file(path: str) -> str:
+        """Read a text file of the project."""
+        return files.get(path, f"error: no file {path!r}")
+
+    @tool
+    def write_file(path: str, content: str) -> str:
+        """Write (replace) a text file of the project with the full new content."""
+        files[path] = content
+        return f"wrote {len(content)} characters to {path}"
+
+    @tool
+    def get_weather(city: str, unit: str = "celsius") -> str:
+        """Current temperature in a city; unit is celsius or fahrenheit."""
+        c = WEATHER.get(city.strip().lower())
+        if c is None:
+            return f"error: unknown city {city!r}"
+        return json.dumps({"city": city, "temperature": c if unit == "celsius" else round(c * 9 / 5 + 32), "unit": unit})
+
+    return [read_file, write_file, get_weather]
+
+
+def run_agent(model: Any, task: str) -> tuple[list[Call], list[Any], dict[str, str]]:
+    """Run the agent on ``task``; returns its model calls, final messages and the project's files."""
+    from langchain.agents import create_agent
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    calls: list[Call] = []
+
+    class Timer(BaseCallbackHandler):
+        def on_chat_model_start(self, *args: Any, **kwargs: Any) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_llm_end(self, response: Any, **kwargs: Any) -> None:
+            msg = response.generations[0][0].message
+            usage = msg.usage_metadata or {}
+            calls.append(Call(time.perf_counter() - self.t0, str(msg.content), list(msg.tool_calls),
+                              int(usage.get("output_tokens", 0)), msg.response_metadata.get("agentspec", {})))
+
+    from langgraph.errors import GraphRecursionError
+
+    files = dict(FILES)
+    agent = create_agent(model, make_tools(files))  # (a system prompt made the 0.5B target misname tools)
+    state: dict[str, Any] = {"messages": []}
+    try:  # a small model may loop on tools: stop it after a few steps (both runs stop at the same place)
+        for values in agent.stream({"messages": [{"role": "user", "content": task}]}, stream_mode="values",
+                                   config={"callbacks": [Timer()], "recursion_limit": 8}):
+            state = values
+    except GraphRecursionError:
+        pass
+    return calls, state["messages"], files
 
 
 def run_demo(config: DemoConfig = DemoConfig()) -> int:
-    """Run the side-by-side demo; returns a process exit code (1 if any output differed)."""
-    import torch
+    """Run the side-by-side agent demo; returns a process exit code (1 if any output differed)."""
     from rich.console import Console
     from rich.table import Table
 
+    from agentspec.adapters.langchain import ChatAgentSpec
     from agentspec.drafters import NgramDrafter
-    from agentspec.engine import SpecEngine
     from agentspec.models import load_model
-    from agentspec.types import SamplingParams
+    from agentspec.verifier_server.engine import ServerConfig
+    from agentspec.verifier_server.local import LocalVerifier
 
-    console = Console()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    with console.status(f"loading {config.model} ({config.dtype}) — first run assembles the GGUF file"):
+    console = Console(width=max(Console().width, 120))
+    with console.status(f"loading {config.model} ({config.dtype}); the first run assembles the GGUF file"):
         target = load_model(config.model, device=config.device, dtype=config.dtype)
     console.print(f"target: [bold]{config.model}[/] on {target.device}, {target.dtype}")
-    plain = SpecEngine(target, None)
-    spec = SpecEngine(target, NgramDrafter(max_ngram=3), num_draft_tokens=config.num_draft_tokens)
-    params = SamplingParams(max_new_tokens=config.max_new_tokens)
-    prompts = [target.tokenizer.apply_chat_template(m, tools=TOOLS, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True)["input_ids"] for m in STEPS]
-    with console.status("warming up; measuring the verify-cost curve (it sets how many tokens to draft)"):
-        plain.generate(prompts[0], SamplingParams(max_new_tokens=8))
-        curve = spec.calibrate(prompts[0][:64], reps=2)
-        spec.generate(prompts[0], SamplingParams(max_new_tokens=8))
-    console.print("verify cost t_v(k)/t_v(1): " + " ".join(f"{k}:{v / curve[1]:.2f}" for k, v in curve.items()))
-    table = Table(title="plain greedy vs agentspec (n-gram copy drafter), same target, same prompts")
-    for col in ("step", "identical", "tokens", "plain tok/s", "agentspec tok/s", "mean accepted", "speed-up"):
-        table.add_column(col)
-    all_same, total_plain, total_spec, total_tokens = True, 0.0, 0.0, 0
-    for i, prompt in enumerate(prompts, 1):
-        t0 = time.perf_counter()
-        ref = plain.generate(prompt, params)
-        t1 = time.perf_counter()
-        out = spec.generate(prompt, params)
-        t2 = time.perf_counter()
-        same = out.tokens == ref.tokens
-        all_same &= same
-        n = len(out.tokens)
-        total_plain, total_spec, total_tokens = total_plain + t1 - t0, total_spec + t2 - t1, total_tokens + n
-        console.print(f"[bold]step {i}[/] answer: {out.text.strip()}")
-        table.add_row(str(i), "yes" if same else "[red]NO[/]", str(n), f"{n / (t1 - t0):.1f}", f"{n / (t2 - t1):.1f}",
-                      f"{out.stats.mean_accepted_length:.2f}", f"{(t1 - t0) / (t2 - t1):.2f}x")
-    console.print(table)
-    console.print(f"overall speed-up (end to end, incl. prefill): [bold]{total_plain / total_spec:.2f}x[/] "
-                  f"over {total_tokens} tokens; outputs identical: {all_same}")
+    # Two API keys: the runs cannot reuse each other's prompt KV (prefix reuse is per key), so neither
+    # gets a prefill for free; within a run, each agent step reuses the previous step's KV.
+    server_config = ServerConfig(served_model_name=config.model, default_num_draft_tokens=config.num_draft_tokens,
+                                 api_keys=("plain-run", "agentspec-run"))
+    with console.status("starting agentspec-verifier on loopback; measuring its verify-cost curve"):
+        verifier = LocalVerifier(target, server_config).__enter__()
+    try:
+        def model(mode: str) -> ChatAgentSpec:
+            key = "plain-run" if mode == "server-ar" else "agentspec-run"
+            return ChatAgentSpec(model=config.model, base_url=verifier.url, api_key=key, mode=mode, temperature=0,
+                                 max_tokens=config.max_new_tokens, drafter=NgramDrafter(max_ngram=3),
+                                 tokenizer=target.tokenizer, num_draft_tokens=config.num_draft_tokens, timeout=600)
+
+        spec_model = model("auto")  # one client for all tasks: its router keeps what it measured
+        with console.status("warming up both paths; the router measures each mode once"):
+            warm = "Repeat this line exactly: " + FILES["stats.py"].splitlines()[-1]
+            model("server-ar").invoke(warm, max_tokens=16)
+            spec_model.invoke(warm, max_tokens=3 * 16)
+        all_same, total_plain, total_spec = True, 0.0, 0.0
+        for n, task in enumerate(TASKS, 1):
+            console.rule(f"task {n}: {task}")
+            with console.status("plain decoding (server-ar)"):
+                plain_calls, plain_msgs, plain_files = run_agent(model("server-ar"), task)
+            with console.status("agentspec (speculative, auto routing)"):
+                spec_calls, spec_msgs, spec_files = run_agent(spec_model, task)
+            same = _transcript(plain_msgs) == _transcript(spec_msgs) and plain_files == spec_files
+            all_same &= same
+            _print_run(console, spec_msgs, spec_files)
+            table = Table(title=f"task {n}: plain vs agentspec, same target, greedy")
+            for col in ("call", "output", "tokens", "modes", "mean accepted", "plain s", "agentspec s", "speed-up"):
+                table.add_column(col)
+            for i, (p, s) in enumerate(zip(plain_calls, spec_calls, strict=False), 1):
+                out = ", ".join(tc["name"] for tc in s.tool_calls) or "answer"
+                modes = "/".join(sorted(set(s.stats.get("modes", [])))) or "-"
+                table.add_row(str(i), out, str(s.tokens), modes, f"{s.stats.get('mean_accepted_length', 0):.2f}",
+                              f"{p.seconds:.1f}", f"{s.seconds:.1f}", f"{p.seconds / s.seconds:.2f}x")
+            console.print(table)
+            tp, ts = sum(c.seconds for c in plain_calls), sum(c.seconds for c in spec_calls)
+            total_plain, total_spec = total_plain + tp, total_spec + ts
+            console.print(f"task {n}: identical transcripts: {'yes' if same else '[red]NO[/]'}; "
+                          f"model time plain {tp:.1f} s, agentspec {ts:.1f} s → [bold]{tp / ts:.2f}x[/]")
+        console.rule()
+        console.print(f"overall speed-up (model calls, end to end incl. prefill): [bold]{total_plain / total_spec:.2f}x"
+                      f"[/]; outputs identical: {all_same}")
+    finally:
+        verifier.__exit__(None, None, None)
     return 0 if all_same else 1
+
+
+def _transcript(messages: list[Any]) -> list[tuple[str, str, str]]:
+    return [(m.type, str(m.content), json.dumps([(tc["name"], tc["args"]) for tc in getattr(m, "tool_calls", [])]))
+            for m in messages]
+
+
+def _print_run(console: Any, messages: list[Any], files: dict[str, str]) -> None:
+    for m in messages[1:]:
+        if m.type == "ai":
+            for tc in m.tool_calls:
+                console.print(f"[cyan]tool call[/] {tc['name']}({json.dumps(tc['args'])[:160]})")
+            if str(m.content).strip():
+                console.print(f"[green]answer[/] {str(m.content).strip()}")
+        elif m.type == "tool":
+            console.print(f"[dim]tool result: {str(m.content)[:120]}[/]")
+    for path, text in files.items():
+        if text != FILES.get(path):
+            console.print(f"[dim]{path} now:[/]\n{text}")

@@ -2,51 +2,24 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
-import uvicorn
 
 from agentspec.drafters.base import DraftContext, Drafter
 from agentspec.models import LoadedModel
 from agentspec.types import SamplingParams
-from agentspec.verifier_server.app import create_app
-from agentspec.verifier_server.engine import ServerConfig, VerifierEngine
-from agentspec.verifier_server.metrics import Metrics
+from agentspec.verifier_server.engine import ServerConfig
+from agentspec.verifier_server.local import LocalVerifier
 
 
-class LoopbackServer:
+class LoopbackServer(LocalVerifier):
     """Start with ``with LoopbackServer(target, config) as srv:``; ``srv.url`` is the base URL."""
 
     def __init__(self, target: LoadedModel, config: ServerConfig | None = None,
                  draft_model: LoadedModel | None = None, warm: bool = True) -> None:
-        self.engine = VerifierEngine(target, config or ServerConfig(served_model_name="tiny"),
-                                     draft_model=draft_model, metrics=Metrics("tiny"))
-        if warm:
-            self.engine.warm_up()
-        cfg = uvicorn.Config(create_app(self.engine), host="127.0.0.1", port=0, log_level="warning",
-                             lifespan="off")
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LoopbackServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("loopback server did not start")
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.engine.shutdown()
+        super().__init__(target, config or ServerConfig(served_model_name="tiny"), draft_model, warm)
 
 
 @dataclass

@@ -1,0 +1,398 @@
+"""Router benchmark: every mode's latency against injected round-trip time, the closed forms' predictions
+of it, the break-even RTT, and how close ``auto`` stays to the best fixed mode.
+
+Run: ``python -m benchmarks.router`` (full: SmolLM2-135M-Instruct in float32 and bfloat16, two n-gram edge
+drafters, 7 RTT points, 3 prompts × 32 tokens; estimated ~16 min on 2 idle cores) or ``--quick`` (a tiny
+random model, 2 RTT points, ~30 s). Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default
+``benchmarks/results/router.json``; ``--quick``: ``router_quick.json``).
+
+Flow, per target (model × dtype), all in one process, greedy, on BFCL tool-calling prompts:
+
+1. load the target, render the prompts, fault in memory; the plain greedy reference of every prompt
+   (transformers' ``generate``) and the logit path noise that judges bf16 divergences;
+2. calibration, apart from the sweep: the verify-cost curve t_v(k) (``t_ar = t_v(1)``); for each edge
+   drafter and for the verifier's own drafter, a *replay* of the client's / server's round loop against
+   the reference (no model, no network), which gives rounds, draft and accepted lengths (α, E[A]) and
+   the draft time; and, through a zero-delay proxy on the warm-up prompt, each mode's per-round loopback
+   overhead (HTTP, JSON, the verifier's bookkeeping around the forward pass);
+3. the sweep: per RTT a :class:`~agentspec.delay_proxy.DelayProxy` with one-way delay RTT/2 in front of an
+   in-process verifier; per prompt every fixed mode (``edge`` per drafter, ``server``, ``server-ar``) and
+   ``auto`` (a fresh client per RTT and drafter, warmed until the router has measured every mode) run in
+   rotated order. Decode time is the sum of the client's segment wall times (session open and close left
+   out); end-to-end time is kept too;
+4. predictions from :mod:`agentspec.router`'s closed forms fed with the calibration, the break-even RTT
+   (edge vs plain decoding on the server, predicted and interpolated from the measured curves), every
+   output checked against the reference, and the acceptance figures.
+
+Draft lengths are fixed at γ on both sides (the adaptive draft-length policies are switched off), so the
+closed forms apply as written; ``auto`` runs the stock :class:`~agentspec.router.ModePolicy`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentspec import models, router
+from agentspec.client import SpecClient
+from agentspec.delay_proxy import DelayProxy
+from agentspec.drafters import NgramDrafter
+from agentspec.drafters.base import Drafter
+from agentspec.verifier_server.engine import ServerConfig
+from agentspec.verifier_server.local import LocalVerifier
+from benchmarks import common
+from benchmarks.common import log
+from benchmarks.router_model import Replay, break_even, predict, probe_bound, replay
+
+RTTS_MS = (0, 5, 10, 25, 50, 100, 200)
+# Edge drafters, by name. "ngram" is also what the verifier drafts with in server mode (NgramDrafter()).
+DRAFTERS: dict[str, Callable[[], Drafter]] = {
+    "ngram": lambda: NgramDrafter(max_ngram=3, min_ngram=1),  # prompt lookup, longest match up to 3 tokens
+    "ngram-1": lambda: NgramDrafter(max_ngram=1, min_ngram=1),  # unigram lookup: a weaker copy drafter
+}
+SERVER_DRAFTER = "ngram"
+TINY = {"tiny-a": (2, 64), "tiny-b": (4, 256)}  # --quick targets: (layers, hidden) of a random Llama
+
+
+class FixedDraftLength(router.DraftLengthPolicy):
+    """Always draft the full γ: the closed forms' fixed draft length (adaptive choice switched off)."""
+
+    def choose(self, k_max: int) -> int:
+        return max(k_max, 0)
+
+
+class Verifier(LocalVerifier):
+    """agentspec-verifier's app over ``target`` on 127.0.0.1 (port 0), in this process; γ fixed."""
+
+    def __init__(self, target: models.LoadedModel, gamma: int) -> None:
+        # one client at a time: a batching window would only add latency
+        config = ServerConfig(served_model_name=target.name, default_num_draft_tokens=gamma, max_draft_tokens=gamma,
+                              batch_window_s=0.0)
+        super().__init__(target, config)
+        self.engine.policies.clear()  # no adaptive γ: server mode drafts min(γ, tokens left - 1) every round
+
+    def __enter__(self) -> Verifier:
+        super().__enter__()
+        self.port = int(self.url.rsplit(":", 1)[1])
+        return self
+
+
+def make_client(url: str, mode: str, drafter: str | None, args: argparse.Namespace) -> SpecClient:
+    policy = router.ModePolicy(has_drafter=drafter is not None, edge=FixedDraftLength())
+    return SpecClient(url, drafter=DRAFTERS[drafter]() if drafter else None, num_draft_tokens=args.gamma,
+                      mode=mode, segment_tokens=args.segment_tokens, policy=policy, timeout=600, retries=0)
+
+
+def request(client: SpecClient, prompt: common.Prompt, max_new: int) -> dict[str, Any]:
+    """One chat call; decode time = Σ segment wall time (session open/prefill and close left out)."""
+    t0 = time.perf_counter()
+    final = client.generate([dict(m) for m in prompt.messages], [dict(t) for t in prompt.tools], max_tokens=max_new)
+    e2e = time.perf_counter() - t0
+    segs = final.stats.segments
+    by_mode: Counter[str] = Counter()
+    for s in segs:
+        by_mode[s.mode] += s.tokens
+    return {"prompt_id": prompt.id, "tokens": final.tokens, "e2e_s": e2e, "decode_s": sum(s.wall_s for s in segs),
+            "rounds": sum(s.rounds for s in segs), "drafted": final.stats.drafted, "accepted": final.stats.accepted,
+            "server_s": sum(s.server_s for s in segs), "draft_s": sum(s.draft_s for s in segs),
+            "tokens_by_mode": dict(by_mode), "fallbacks": list(final.stats.fallbacks)}
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ratio of totals over prompts."""
+    tokens = sum(len(r["tokens"]) for r in runs)
+    decode, e2e = sum(r["decode_s"] for r in runs), sum(r["e2e_s"] for r in runs)
+    by_mode: Counter[str] = Counter()
+    for r in runs:
+        by_mode.update(r["tokens_by_mode"])
+    return {"tokens": tokens, "decode_s": decode, "e2e_s": e2e, "ms_per_token": decode / tokens * 1e3,
+            "tokens_per_s": tokens / decode, "tokens_per_s_e2e": tokens / e2e,
+            "rounds": sum(r["rounds"] for r in runs), "drafted": sum(r["drafted"] for r in runs),
+            "accepted": sum(r["accepted"] for r in runs), "tokens_by_mode": dict(by_mode),
+            "fallbacks": [f for r in runs for f in r["fallbacks"]],
+            "per_prompt": [{k: len(r["tokens"]) if k == "tokens" else r[k]
+                            for k in ("prompt_id", "tokens", "decode_s", "e2e_s", "rounds", "tokens_by_mode")}
+                           for r in runs]}
+
+
+# ---- calibration and the sweep -----------------------------------------------------------------------
+
+
+def overheads(port: int, warm: common.Prompt, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per round each mode spends outside model compute and local drafting, at zero added delay."""
+    out = {}
+    with DelayProxy("127.0.0.1", port, one_way_delay_s=0.0) as proxy:
+        for name, mode, drafter in fixed_modes(args.drafters):
+            client = make_client(f"http://127.0.0.1:{proxy.port}", mode, drafter, args)
+            request(client, warm, args.max_new_tokens)  # warm-up
+            r = [request(client, warm, args.max_new_tokens) for _ in range(args.overhead_reps)]
+            client.close()
+            out[name] = statistics.median((x["decode_s"] - x["server_s"] - x["draft_s"]) / x["rounds"] for x in r)
+    return out
+
+
+def fixed_modes(drafters: list[str]) -> list[tuple[str, str, str | None]]:
+    """(name, client mode, edge drafter) of every fixed mode measured."""
+    return [(f"edge:{d}", "edge", d) for d in drafters] + [("server", "server", None), ("server-ar", "server-ar", None)]
+
+
+def warm_auto(client: SpecClient, warm: common.Prompt, max_new: int) -> int:
+    """Untimed requests until the router has measured every mode (at most 4); returns how many ran."""
+    for n in range(1, 5):
+        request(client, warm, max_new)
+        if all(m in client.policy.seconds_per_token for m in client.policy.modes):
+            return n
+    return 4
+
+
+def sweep_point(port: int, rtt_ms: float, prompts: list[common.Prompt], warm: common.Prompt,
+                args: argparse.Namespace) -> dict[str, Any]:
+    """Every fixed mode and ``auto`` (one per edge drafter) on every prompt, behind one delay proxy."""
+    with DelayProxy("127.0.0.1", port, one_way_delay_s=rtt_ms / 2e3) as proxy:
+        url = f"http://127.0.0.1:{proxy.port}"
+        clients = {name: make_client(url, mode, d, args) for name, mode, d in fixed_modes(args.drafters)}
+        warm_requests = {}
+        for d in args.drafters:  # a fresh router per RTT point, warmed at this RTT
+            clients[f"auto:{d}"] = make_client(url, "auto", d, args)
+            warm_requests[d] = warm_auto(clients[f"auto:{d}"], warm, args.max_new_tokens)
+        names = list(clients)
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for i, prompt in enumerate(prompts):  # modes interleaved, order rotated per prompt
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                runs[name].append(request(clients[name], prompt, args.max_new_tokens))
+        routers = {d: {"warm_requests": warm_requests[d], "segments": clients[f"auto:{d}"].policy.segments,
+                       "ms_per_token_estimates": {m: s * 1e3 for m, s in
+                                                  clients[f"auto:{d}"].policy.seconds_per_token.items()}}
+                   for d in args.drafters}
+        for c in clients.values():
+            c.close()
+    return {"runs": runs, "routers": routers}
+
+
+def check_lossless(target: models.LoadedModel, prompts: list[common.Prompt], encoded: list[list[int]],
+                   refs: list[list[int]], sweep: list[dict], rtts: list[float], noise: float, tie_ulps: float
+                   ) -> dict[str, Any]:
+    """Every run against plain greedy; a divergence is judged once per distinct output (fp32: a failure;
+    bf16: a tie only within the measured logit noise, see :func:`common.check_divergence`)."""
+    judged: dict[tuple[str, tuple[int, ...]], dict | None] = {}
+    found, runs, identical = [], 0, 0
+    outputs: dict[str, set[tuple[int, ...]]] = {p.id: set() for p in prompts}
+    for rtt, point in zip(rtts, sweep, strict=True):
+        for name, rs in point["runs"].items():
+            for r in rs:
+                i = next(j for j, p in enumerate(prompts) if p.id == r["prompt_id"])
+                key = (r["prompt_id"], tuple(r["tokens"]))
+                outputs[r["prompt_id"]].add(key[1])
+                if key not in judged:
+                    judged[key] = common.check_divergence(target, prompts[i].id, encoded[i], refs[i], r["tokens"],
+                                                          tie_ulps, noise)
+                runs += 1
+                identical += judged[key] is None
+                if judged[key] is not None:
+                    found.append({**judged[key], "mode": name, "rtt_ms": rtt})
+    return {"runs": runs, "identical_to_plain": identical,
+            "identical_across_modes": all(len(v) == 1 for v in outputs.values()),
+            "real_failures": sum(d["verdict"] == "FAILURE" for d in found),
+            "tie_divergences": sum(d["verdict"] == "tie" for d in found), "divergences": found}
+
+
+def load_target(spec: str) -> models.LoadedModel:
+    """``alias:dtype`` (an offline alias of :func:`agentspec.models.load_model`, or a --quick tiny model)."""
+    name, _, dtype = spec.partition(":")
+    if name in TINY:
+        from tests.helpers import tiny_model  # random weights from a config, never downloaded
+
+        layers, hidden = TINY[name]
+        target = tiny_model(seed=10 + layers, layers=layers, hidden=hidden,
+                            dtype=models.resolve_dtype(dtype or "float32"))
+        target.name = name
+        return target
+    return models.load_model(name, device="cpu", dtype=dtype or "float32")
+
+
+def bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, args: argparse.Namespace
+                 ) -> dict[str, Any]:
+    tag = f"[{spec}]"
+    target, load_s = common.timed(lambda: load_target(spec))
+    encoded = [common.render(target.tokenizer, p) for p in prompts]
+    warm_ids = common.render(target.tokenizer, warm)
+    common.pretouch(target.model, max(len(x) for x in encoded) + args.max_new_tokens + args.gamma + 1)
+    # 1. plain greedy references, logit path noise
+    cfg = common.hf_generation_config(target, args.max_new_tokens)
+    warm_ref = common.hf_generate(target, warm_ids, cfg)
+    refs = [common.hf_generate(target, ids, cfg) for ids in encoded]
+    noise = common.logit_path_noise(target.model, warm_ids, warm_ref, args.gamma + 1)
+    log(tag, f"loaded in {load_s:.1f}s; prompts {[len(x) for x in encoded]} tokens, references "
+        f"{[len(r) for r in refs]} tokens; logit path noise max {noise['max_abs']:.3g}")
+    # 2. calibration: verify-cost curve, replays, loopback overheads
+    median_i = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))[len(encoded) // 2]
+    curve = common.verify_cost_curve(target.model, encoded[median_i], args.gamma + 1, args.curve_reps)
+    t_ar = curve[1]
+    replays = {name: Replay() for name, _, _ in fixed_modes(args.drafters)}
+    for ids, ref in zip(encoded, refs, strict=True):
+        for d in args.drafters:
+            replay(DRAFTERS[d](), ids, ref, args.gamma, args.max_new_tokens, curve, None, replays[f"edge:{d}"])
+        replay(DRAFTERS[SERVER_DRAFTER](), ids, ref, args.gamma, args.max_new_tokens, curve, args.segment_tokens,
+               replays["server"])
+        replay(None, ids, ref, 0, args.max_new_tokens, curve, args.segment_tokens, replays["server-ar"])
+    log(tag, "t_v(k) ms:", " ".join(f"{k}:{s * 1e3:.1f}" for k, s in curve.items()), "| replay:", "; ".join(
+        f"{n} E[A] {r.tokens / r.rounds:.2f} γ̄ {r.drafted / r.rounds:.2f}" for n, r in replays.items()))
+    with Verifier(target, args.gamma) as srv:
+        overhead = overheads(srv.port, warm, args)
+        log(tag, "loopback overhead ms/round:", {k: round(v * 1e3, 2) for k, v in overhead.items()})
+        lines = {name: predict(replays[name], overhead[name], t_ar, mode) for name, mode, _ in fixed_modes(args.drafters)}
+        # 3. the sweep
+        sweep = []
+        for rtt in args.rtts:
+            t0 = time.perf_counter()
+            sweep.append(sweep_point(srv.port, rtt, prompts, warm, args))
+            ms = {n: aggregate(rs)["ms_per_token"] for n, rs in sweep[-1]["runs"].items()}
+            log(tag, f"RTT {rtt:g} ms ({time.perf_counter() - t0:.0f}s): ms/token " + " | ".join(
+                f"{n} {v:.1f} (pred {(lines[n][0] + lines[n][1] * rtt / 1e3) * 1e3:.1f})" if n in lines
+                else f"{n} {v:.1f}" for n, v in ms.items()))
+    lossless = check_lossless(target, prompts, encoded, refs, sweep, args.rtts, noise["max_abs"], args.tie_ulps)
+    if lossless["real_failures"]:
+        log(tag, f"!!! LOSSLESSNESS FAILURE: {lossless['real_failures']} outputs differ from plain greedy")
+    # 4. predictions next to measurements
+    points = []
+    for rtt, point in zip(args.rtts, sweep, strict=True):
+        modes = {n: aggregate(rs) for n, rs in point["runs"].items()}
+        for n, m in modes.items():
+            if n in lines:
+                m["predicted_ms_per_token"] = (lines[n][0] + lines[n][1] * rtt / 1e3) * 1e3
+                m["prediction_rel_error"] = abs(m["predicted_ms_per_token"] - m["ms_per_token"]) / m["ms_per_token"]
+        best = {d: max((f"edge:{d}", "server", "server-ar"), key=lambda n: modes[n]["tokens_per_s"])
+                for d in args.drafters}
+        points.append({"rtt_ms": rtt, "modes": modes, "best_fixed": best, "routers": point["routers"],
+                       "auto_vs_best": {d: modes[f"auto:{d}"]["tokens_per_s"] / modes[best[d]]["tokens_per_s"]
+                                        for d in args.drafters},
+                       "auto_vs_best_if_only_probes": {d: probe_bound(modes, d) for d in args.drafters}})
+    return {"target": spec, "model": model_info(target, load_s), "dtype": str(target.dtype).replace("torch.", ""),
+            "prompt_tokens": [len(x) for x in encoded], "reference_tokens": [len(r) for r in refs],
+            "logit_path_noise": noise,
+            "calibration": {"verify_cost_s": curve, "t_ar_ms": t_ar * 1e3,
+                            "overhead_ms_per_round": {k: v * 1e3 for k, v in overhead.items()},
+                            "replay": {n: {**asdict(r), **r.closed_form_inputs()} for n, r in replays.items()},
+                            "lines": {n: {"ms_per_token_at_0": a * 1e3, "ms_per_token_per_ms_rtt": b}
+                                      for n, (a, b) in lines.items()}},
+            "points": points, "break_even": break_even(args.drafters, replays, overhead, lines, t_ar, points),
+            "lossless": lossless}
+
+
+def model_info(target: models.LoadedModel, load_s: float) -> dict[str, Any]:
+    return {"name": target.name, "class": type(target.model).__name__,
+            "params": sum(p.numel() for p in target.model.parameters()),
+            "layers": target.model.config.num_hidden_layers, "dtype": str(target.dtype),
+            "eos_token_ids": list(target.eos_token_ids), "load_s": round(load_s, 1)}
+
+
+def acceptance(targets: dict[str, dict]) -> dict[str, Any]:
+    """The issue's figures, computed from the per-point results."""
+    auto = [(x, t, p["rtt_ms"], d) for t, r in targets.items() for p in r["points"] for d, x in p["auto_vs_best"].items()]
+    cases = [{"target": t, "drafter": d, **{k: b[k] for k in ("predicted_ms", "measured_ms", "rel_error", "in_sweep")}}
+             for t, r in targets.items() for d, b in r["break_even"].items()]
+    be = [c["rel_error"] for c in cases if c["in_sweep"]]  # a crossing outside the sweep cannot be measured
+    pe = [m["prediction_rel_error"] for r in targets.values() for p in r["points"] for m in p["modes"].values()
+          if "prediction_rel_error" in m]
+    worst = min(auto)
+    out = {"auto_vs_best_min": worst[0],
+           "break_even_rel_error": None if None in be or not be else max(be),
+           "per_mode_prediction_rel_error_max": max(pe), "delay_method": "proxy",
+           "auto_vs_best_min_at": {"target": worst[1], "rtt_ms": worst[2], "drafter": worst[3]},
+           "auto_vs_best_if_only_probes_min": min(x for r in targets.values() for p in r["points"]
+                                                  for x in p["auto_vs_best_if_only_probes"].values()),
+           "break_even_cases": cases,
+           "lossless": all(r["lossless"]["real_failures"] == 0 for r in targets.values())}
+    out["pass"] = {"auto_vs_best": out["auto_vs_best_min"] >= 0.95,
+                   "break_even": out["break_even_rel_error"] is not None and out["break_even_rel_error"] <= 0.20,
+                   "per_mode_prediction": out["per_mode_prediction_rel_error_max"] <= 0.25}
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a tiny random model, RTT 0 and 50 ms, 2 prompts (< 1 min)")
+    p.add_argument("--out", default=None, help="output .json path; .md and .png go next to it "
+                                               "(default benchmarks/results/router.json, router_quick.json)")
+    p.add_argument("--targets", default=None, help="comma-separated alias:dtype (default SmolLM2-135M fp32 and bf16)")
+    p.add_argument("--drafters", default=",".join(DRAFTERS), help=f"edge drafters, from {sorted(DRAFTERS)}")
+    p.add_argument("--rtts", default=None, help=f"injected RTTs in ms (default {','.join(map(str, RTTS_MS))})")
+    p.add_argument("--prompts", type=int, default=None, help="BFCL prompts (default 3)")
+    p.add_argument("--categories", default=None, help="BFCL v4 categories")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 32 (two segments)")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round, edge and server")
+    p.add_argument("--segment-tokens", type=int, default=None, help="tokens per routed segment (default 16)")
+    p.add_argument("--curve-reps", type=int, default=5, help="repetitions per verify-cost point")
+    p.add_argument("--overhead-reps", type=int, default=None, help="timed calibration requests per mode (default 2)")
+    p.add_argument("--tie-ulps", type=float, default=1.0, help="bf16 tie threshold floor, in bf16 ulps")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default 2; --quick 1)")
+    a = p.parse_args(argv)
+    q = a.quick
+    a.targets = (a.targets or ("tiny-b:float32" if q else
+                               "smollm2-135m-instruct:float32,smollm2-135m-instruct:bfloat16")).split(",")
+    a.drafters = a.drafters.split(",")
+    a.rtts = [float(x) for x in (a.rtts or ("0,50" if q else ",".join(map(str, RTTS_MS)))).split(",")]
+    a.prompts = a.prompts or (2 if q else 3)
+    a.categories = (a.categories or ("simple_python,parallel" if q else ",".join(common.BFCL_CATEGORIES))).split(",")
+    a.max_new_tokens = a.max_new_tokens or (24 if q else 32)
+    a.segment_tokens = a.segment_tokens or (8 if q else 16)
+    a.overhead_reps = a.overhead_reps or (1 if q else 2)
+    a.threads = a.threads or (1 if q else 2)  # a tiny model gains nothing from a second thread, only noise
+    a.out = Path(a.out or f"benchmarks/results/router{'_quick' if q else ''}.json")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    from benchmarks.router_report import tables, write_markdown, write_plot
+
+    hf_logging.disable_progress_bar()
+    t_start = time.perf_counter()
+    prompts = common.bfcl_prompts(args.prompts, args.categories)
+    warm = common.warmup_prompt(prompts)
+    log(f"targets {args.targets}, edge drafters {args.drafters}, RTTs {args.rtts} ms, γ={args.gamma}, "
+        f"prompts {[p.id for p in prompts]}, {args.max_new_tokens} new tokens, delay: DelayProxy on loopback")
+    settings = {k: getattr(args, k) for k in ("targets", "drafters", "rtts", "prompts", "categories",
+                                              "max_new_tokens", "gamma", "segment_tokens", "curve_reps", "overhead_reps",
+                                              "tie_ulps", "threads", "quick")}
+    meta = {"settings": settings, "machine": common.machine_info(), "delay_method": "proxy",
+            "delay": "agentspec.delay_proxy.DelayProxy on 127.0.0.1, one-way delay RTT/2 each direction "
+                     "(tc netem is not available on this kernel)",
+            "models": args.targets, "dtypes": sorted({t.partition(":")[2] or "float32" for t in args.targets}),
+            "data": {"source": "bfcl_eval wheel, BFCL v4", "prompt_ids": [p.id for p in prompts],
+                     "categories": args.categories, "warmup_prompt_id": warm.id,
+                     "selection": "benchmarks.common.bfcl_prompts (evenly spread per category)"},
+            "greedy": True, "modes": ["edge", "server", "server-ar", "auto"],
+            "edge_drafters": {d: repr(DRAFTERS[d]().__dict__) for d in args.drafters},
+            "server_drafter": f"{SERVER_DRAFTER}: {DRAFTERS[SERVER_DRAFTER]().__dict__}",
+            "not_measured": {"api": "no remote provider model offline; the router never picks it while a "
+                                    "verifier works"}}
+    targets = {}
+    for spec in args.targets:
+        targets[spec] = bench_target(spec, prompts, warm, args)
+    meta["wall_s"] = time.perf_counter() - t_start
+    result = {"meta": meta, "acceptance": acceptance(targets), "targets": targets}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+    write_markdown(result, args.out.with_suffix(".md"))
+    write_plot(result, args.out.with_suffix(".png"))
+    print("\n".join(tables(result)), flush=True)
+    log("acceptance:", json.dumps(result["acceptance"]))
+    log(f"wrote {args.out}, .md, .png in {meta['wall_s']:.0f}s")
+    return 0 if result["acceptance"]["lossless"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
