@@ -99,10 +99,7 @@ class HTTPTransport:
                     _check(r)
                 for line in r.iter_lines():
                     if line:
-                        data = json.loads(line)
-                        if "error" in data:
-                            raise _error_from(data, r.status_code)
-                        yield Timed(data, time.perf_counter() - t0)
+                        yield Timed(_line(line, r.status_code), time.perf_counter() - t0)
                         t0 = time.perf_counter()
         except httpx.TransportError as e:
             raise self._unavailable(e) from e
@@ -139,10 +136,7 @@ class HTTPTransport:
                     _check(r)
                 async for line in r.aiter_lines():
                     if line:
-                        data = json.loads(line)
-                        if "error" in data:
-                            raise _error_from(data, r.status_code)
-                        yield Timed(data, time.perf_counter() - t0)
+                        yield Timed(_line(line, r.status_code), time.perf_counter() - t0)
                         t0 = time.perf_counter()
         except httpx.TransportError as e:
             raise self._unavailable(e) from e
@@ -168,6 +162,14 @@ def _check(r: httpx.Response) -> dict[str, Any]:
     if r.status_code < 400:
         return data
     raise _error_from(data, r.status_code)
+
+
+def _line(line: str, status: int) -> dict[str, Any]:
+    """One streamed JSON line; an error line raises as the error it carries."""
+    data = json.loads(line)
+    if "error" in data:
+        raise _error_from(data, status)
+    return data
 
 
 def _error_from(data: dict[str, Any], status: int) -> VerifierError:

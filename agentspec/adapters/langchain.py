@@ -209,19 +209,19 @@ class ChatAgentSpec(BaseChatModel):
                 try:
                     event = next(events, None)
                 except Exception as e:
-                    mapped = map_error(e)
-                    if mapped is None:
-                        raise
-                    raise mapped from e
+                    _reraise(e)
                 if event is None:
                     return
-                chunk = self._finish(event, choice) if isinstance(event, FinalEvent) else event_chunk(event)
+                chunk = self._chunk(event, choice)
                 if chunk is not None:
                     if run_manager:
                         run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                     yield chunk
         finally:
             events.close()  # a consumer that stops early ends the HTTP stream now, not at garbage collection
+
+    def _chunk(self, event: Any, choice: ToolChoice) -> ChatGenerationChunk | None:
+        return self._finish(event, choice) if isinstance(event, FinalEvent) else event_chunk(event)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
@@ -233,13 +233,10 @@ class ChatAgentSpec(BaseChatModel):
                 try:
                     event = await anext(events, None)
                 except Exception as e:
-                    mapped = map_error(e)
-                    if mapped is None:
-                        raise
-                    raise mapped from e
+                    _reraise(e)
                 if event is None:
                     return
-                chunk = self._finish(event, choice) if isinstance(event, FinalEvent) else event_chunk(event)
+                chunk = self._chunk(event, choice)
                 if chunk is not None:
                     if run_manager:
                         await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -312,3 +309,11 @@ class ChatAgentSpec(BaseChatModel):
         parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
         fallback = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parse.with_fallbacks([fallback], exception_key="parsing_error")
+
+
+def _reraise(e: Exception) -> None:
+    """Raise ``e`` as its ``langchain_core.exceptions`` type (cause kept), or as it is when it has none."""
+    mapped = map_error(e)
+    if mapped is None:
+        raise e
+    raise mapped from e
