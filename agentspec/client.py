@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentspec.drafters.base import DraftContext, Drafter
+from agentspec.drafters.base import DraftContext, Drafter, propose_round
 from agentspec.router import ModePolicy
 from agentspec.toolcalls import ToolCallParser
 from agentspec.transport import HTTPTransport, ResendPrefix, VerifierError, VerifierUnavailable
@@ -107,8 +107,10 @@ class _Run:
     """The state of one request, independent of sync/async I/O."""
 
     def __init__(self, client: SpecClient, messages: list[dict], tools: list[dict] | None, max_tokens: int,
-                 sampling: SamplingParams, stop: Sequence[str], mode: str) -> None:
+                 sampling: SamplingParams, stop: Sequence[str], mode: str, tool_choice: Any = None,
+                 response_format: dict[str, Any] | None = None) -> None:
         self.client, self.messages, self.tools = client, messages, tools
+        self.tool_choice, self.response_format = tool_choice, response_format
         self.max_tokens, self.sampling, self.stop, self.mode = max_tokens, sampling, list(stop), mode
         self.prompt: list[int] = []
         self.tokens: list[int] = []  # prompt + generated, as committed
@@ -126,9 +128,11 @@ class _Run:
 
     def open_body(self) -> dict[str, Any]:
         left = self.max_tokens - self.generated
+        structure = {"tool_choice": self.tool_choice, "response_format": self.response_format}
         if self.sid is None and not self.prompt:
-            return {"messages": self.messages, "tools": self.tools, "max_new_tokens": left}
-        return {"prompt_ids": self.tokens, "max_new_tokens": left}  # resend the committed prefix
+            return {"messages": self.messages, "tools": self.tools, "max_new_tokens": left, **structure}
+        # resend the committed prefix (tools again: they shape the server's grammar drafts)
+        return {"prompt_ids": self.tokens, "tools": self.tools, "max_new_tokens": left, **structure}
 
     def opened(self, info: dict[str, Any]) -> None:
         if not self.prompt:
@@ -190,8 +194,9 @@ class _Run:
         """An edge-mode draft from the local drafter: (wire draft, seconds, preview text)."""
         drafter = self.client.drafter
         t0 = time.perf_counter()
-        ctx = DraftContext(self.tokens, len(self.prompt), self.sampling, self.client._generator(self.sampling))
-        prop = drafter.propose(ctx, k)
+        ctx = DraftContext(self.tokens, len(self.prompt), self.sampling, self.client._generator(self.sampling),
+                           tools=self.tools, tool_choice=self.tool_choice, response_format=self.response_format)
+        prop = propose_round(drafter, ctx, k)
         body: dict[str, Any] = {"tokens": list(prop.tokens), "source": prop.source[:64]}
         if prop.is_tree:
             body["parents"] = list(prop.parents)
@@ -240,10 +245,11 @@ class SpecClient:
     # -- public API --------------------------------------------------------------------------------
 
     def stream(self, messages: list[dict], tools: list[dict] | None = None, *, max_tokens: int = 256,
-               sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None
+               sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None,
+               tool_choice: str | dict[str, Any] | None = None, response_format: dict[str, Any] | None = None
                ) -> Iterator[TextEvent | PreviewEvent | ToolCallEvent | FinalEvent]:
         """Yield verified events for one chat turn; the last event is a :class:`FinalEvent`."""
-        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode)
+        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode, tool_choice, response_format)
         try:
             while run.finish is None and run.generated < run.max_tokens:
                 seg_mode = self._pick_mode(run)
@@ -270,10 +276,11 @@ class SpecClient:
         return final
 
     async def astream(self, messages: list[dict], tools: list[dict] | None = None, *, max_tokens: int = 256,
-                      sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None
+                      sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None,
+               tool_choice: str | dict[str, Any] | None = None, response_format: dict[str, Any] | None = None
                       ) -> AsyncIterator[TextEvent | PreviewEvent | ToolCallEvent | FinalEvent]:
         """The async twin of :meth:`stream` (native httpx.AsyncClient; never blocks the event loop on I/O)."""
-        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode)
+        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode, tool_choice, response_format)
         try:
             while run.finish is None and run.generated < run.max_tokens:
                 seg_mode = self._pick_mode(run)
@@ -319,8 +326,9 @@ class SpecClient:
         seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions))
         t0 = time.perf_counter()
         while run.finish is None and seg.tokens < self.segment_tokens:
-            k = min(self.policy.gamma("edge", self.num_draft_tokens), run.max_tokens - run.generated - 1)
-            draft, draft_s, preview = run.draft(k) if k > 0 else ({"tokens": []}, 0.0, "")
+            left = run.max_tokens - run.generated - 1  # no draft at all with one token left (k = -1)
+            draft, draft_s, preview = run.draft(min(self.policy.gamma("edge", self.num_draft_tokens), left)
+                                                if left > 0 else -1)
             if preview:
                 yield PreviewEvent(preview)
             body = {"base_len": len(run.tokens), "draft": draft, "sampling": run.sampling_body()}
@@ -360,8 +368,9 @@ class SpecClient:
         seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions))
         t0 = time.perf_counter()
         while run.finish is None and seg.tokens < self.segment_tokens:
-            k = min(self.policy.gamma("edge", self.num_draft_tokens), run.max_tokens - run.generated - 1)
-            draft, draft_s, preview = run.draft(k) if k > 0 else ({"tokens": []}, 0.0, "")
+            left = run.max_tokens - run.generated - 1  # no draft at all with one token left (k = -1)
+            draft, draft_s, preview = run.draft(min(self.policy.gamma("edge", self.num_draft_tokens), left)
+                                                if left > 0 else -1)
             if preview:
                 yield PreviewEvent(preview)
             body = {"base_len": len(run.tokens), "draft": draft, "sampling": run.sampling_body()}
@@ -394,7 +403,8 @@ class SpecClient:
     # -- shared ------------------------------------------------------------------------------------
 
     def _new_run(self, messages: list[dict], tools: list[dict] | None, max_tokens: int,
-                 sampling: SamplingParams | None, stop: Sequence[str], mode: str | None) -> _Run:
+                 sampling: SamplingParams | None, stop: Sequence[str], mode: str | None,
+                 tool_choice: Any = None, response_format: dict[str, Any] | None = None) -> _Run:
         if not messages:
             raise ValueError("messages must not be empty")
         if max_tokens < 1:
@@ -406,7 +416,8 @@ class SpecClient:
             raise ValueError("edge mode needs a local drafter")
         if isinstance(stop, str):
             stop = [stop]
-        run = _Run(self, list(messages), tools, max_tokens, sampling or SamplingParams(), stop, mode)
+        run = _Run(self, list(messages), tools, max_tokens, sampling or SamplingParams(), stop, mode, tool_choice,
+                   response_format)
         if not self.transports:
             run.mode = "api"
         return run

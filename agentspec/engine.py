@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from agentspec import models
-from agentspec.drafters.base import DraftContext, Drafter
+from agentspec.drafters.base import DraftContext, Drafter, observed_acceptance, propose_round, remember_output
 from agentspec.router import DraftLengthPolicy
 from agentspec.types import DraftProposal, RoundStats, SamplingParams, SpecStats, VerifyResult
 from agentspec.verify import path_depth, sampling_probs, tree_attention, verify_greedy, verify_sampled
@@ -114,8 +114,17 @@ class SpecEngine:
         num_draft_tokens: int | None = None,
         history: Sequence[Sequence[int]] = (),
         stats: SpecStats | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        response_format: dict[str, Any] | None = None,
+        prefilled: tuple[Any, int] | None = None,
     ) -> Iterator[RoundEvent]:
-        """Yield the tokens each round commits; the last event carries the finish reason."""
+        """Yield the tokens each round commits; the last event carries the finish reason.
+
+        ``tools``/``tool_choice``/``response_format`` let grammar drafting shape the drafts (the target
+        still decides every token); ``history`` holds earlier sequences of the conversation to copy from.
+        ``prefilled = (cache, n)``: a target cache already holding the first ``n < len(prompt_ids)`` prompt
+        tokens (taken over by this generation), e.g. to share one prefill between runs."""
         params = params or SamplingParams()
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
@@ -126,20 +135,35 @@ class SpecEngine:
         if not params.greedy:
             generator = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
         seq = _Sequence(list(prompt_ids), len(prompt_ids), models.new_cache(self.model), stats=stats or SpecStats())
+        if prefilled is not None:
+            seq.cache, seq.num_cached = prefilled
+            if not 0 <= seq.num_cached < len(prompt_ids) or models.cache_length(seq.cache) != seq.num_cached:
+                raise ValueError(f"prefilled cache must hold {seq.num_cached} < {len(prompt_ids)} prompt tokens")
         if self.drafter is not None:
             self.drafter.reset()
-        ctx = DraftContext(seq.tokens, seq.num_prompt_tokens, params, generator, [list(h) for h in history])
+        ctx = DraftContext(seq.tokens, seq.num_prompt_tokens, params, generator, [list(h) for h in history],
+                           tools, tool_choice, response_format)
+        try:
+            yield from self._rounds(seq, ctx, params, generator, k_max)
+        finally:
+            remember_output(self.drafter, ctx)
+
+    def _rounds(self, seq: _Sequence, ctx: DraftContext, params: SamplingParams,
+                generator: torch.Generator | None, k_max: int) -> Iterator[RoundEvent]:
         while True:
             remaining = params.max_new_tokens - len(seq.generated)
             k = min(k_max, remaining - 1) if self.drafter is not None else 0
             policy = self.draft_policy if k > 0 else None
             if policy is not None:
                 k = policy.choose(k)
+            elif k <= 0:
+                k = -1  # speculation off (or one token left): not even grammar-forced drafts
             decode_pass = seq.num_cached == len(seq.tokens) - 1  # not the prompt's prefill
-            new, round_stats, path_depth = self._round(seq, ctx, k, params, generator)
+            new, round_stats, path_depth, proposal = self._round(seq, ctx, k, params, generator)
             if policy is not None:
-                policy.observe(round_stats.drafted, path_depth, round_stats.accepted,
-                               round_stats.verify_s if decode_pass else None, round_stats.draft_s)
+                free, reached, accepted = observed_acceptance(proposal, path_depth, round_stats.accepted)
+                policy.observe(free, reached, accepted, round_stats.verify_s if decode_pass else None,
+                               round_stats.draft_s, pass_tokens=len(proposal))
             new, finish = self._check_stop(seq, new, params)
             round_stats.emitted = len(new)  # after truncation at a stop: what the caller really gets
             seq.stats.add(round_stats, path_depth)
@@ -151,10 +175,10 @@ class SpecEngine:
 
     def _round(
         self, seq: _Sequence, ctx: DraftContext, k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[list[int], RoundStats, int]:
+    ) -> tuple[list[int], RoundStats, int, DraftProposal]:
         t0 = time.perf_counter()
         # 1. draft
-        proposal = self.drafter.propose(ctx, k) if k > 0 and self.drafter is not None else DraftProposal()
+        proposal = propose_round(self.drafter, ctx, k)
         t1 = time.perf_counter()
         # 2. one target pass over uncached committed tokens + draft nodes
         pending = seq.tokens[seq.num_cached :]
@@ -177,7 +201,7 @@ class SpecEngine:
             drafted=n, accepted=result.num_accepted, emitted=len(new), draft_s=t1 - t0, verify_s=t2 - t1,
             tree_nodes=n if proposal.is_tree else 0, source=proposal.source,
         )
-        return new, stats, path_depth(parents, result)
+        return new, stats, path_depth(parents, result), proposal
 
     def _verify(
         self,

@@ -124,11 +124,16 @@ class Draft(_Strict):
 
 
 class OpenSession(_Strict):
-    """Open a session from ``prompt_ids`` or from chat ``messages`` (+ ``tools``)."""
+    """Open a session from ``prompt_ids`` or from chat ``messages`` (+ ``tools``).
+
+    ``tools`` (also with ``prompt_ids``), ``tool_choice`` and ``response_format`` let the server-mode
+    drafter draft the tokens their grammar forces; they never constrain the output."""
 
     prompt_ids: list[TokenId] | None = None
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     max_new_tokens: int | None = Field(None, ge=1)
     stop_token_ids: list[TokenId] | None = None

@@ -236,10 +236,13 @@ class DraftLengthPolicy:
         return best
 
     def observe(self, drafted: int, reached: int, accepted: int, verify_s: float | None,
-                draft_s: float = 0.0) -> None:
-        """Feed back one round. ``verify_s`` only for decode-time passes (not the prompt's prefill)."""
+                draft_s: float = 0.0, pass_tokens: int | None = None) -> None:
+        """Feed back one round. ``verify_s`` only for decode-time passes (not the prompt's prefill).
+
+        ``drafted``/``reached``/``accepted`` count the tokens the policy chose (not grammar-forced ones);
+        ``pass_tokens`` is the draft's full size when forced tokens rode along (default ``drafted``)."""
         if verify_s is not None:
-            self.costs.observe(drafted, verify_s)
+            self.costs.observe(drafted if pass_tokens is None else pass_tokens, verify_s)
         if reached:
             self.acceptance.observe(reached, accepted)
         if drafted and draft_s > 0:

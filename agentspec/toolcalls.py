@@ -142,6 +142,22 @@ class ToolCallParser:
         return [ParseEvent(text=buf)]
 
 
+class IncrementalDecoder:
+    """Committed token ids → text deltas, holding back a multi-byte character split across rounds."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+
+    def add(self, ids: list[int]) -> str:
+        """The new text that ``ids`` (appended to all ids so far) make final."""
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+
 def _first_marker(buf: str) -> tuple[int | None, str]:
     found = [(buf.find(m), m) for m in (OPEN_TAG, FENCE) if buf.find(m) >= 0]
     if not found:

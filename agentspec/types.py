@@ -68,12 +68,14 @@ class DraftProposal:
     ``parents is None`` means a linear chain. ``draft_probs[i]`` is the (sparse) distribution node i's
     token was *really* sampled from; ``None`` (per node or for the whole draft) means the drafter was
     deterministic (a point mass), which is what n-gram, grammar and greedy model drafts are.
+    ``num_forced`` leading chain nodes are grammar-forced (drafted whatever γ the policy chose).
     """
 
     tokens: tuple[int, ...] = ()
     parents: tuple[int, ...] | None = None
     draft_probs: tuple[SparseDist | None, ...] | None = None
     source: str = ""
+    num_forced: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -83,6 +85,8 @@ class DraftProposal:
             for i, p in enumerate(self.parents):
                 if not -1 <= p < i:
                     raise ValueError(f"node {i} has parent {p}: parents must precede children (topological order)")
+        if not 0 <= self.num_forced <= n:
+            raise ValueError(f"num_forced must be in [0, {n}], got {self.num_forced}")
         if self.draft_probs is not None and len(self.draft_probs) != n:
             raise ValueError(f"draft_probs has {len(self.draft_probs)} entries for {n} draft tokens")
 

@@ -179,11 +179,13 @@ class FirstTokenTimer:
 
 @torch.inference_mode()
 def hf_generate(target: models.LoadedModel, prompt_ids: Sequence[int], config: Any,
-                streamer: FirstTokenTimer | None = None) -> list[int]:
-    """``model.generate`` on one prompt; returns the new token ids only."""
+                streamer: FirstTokenTimer | None = None, cache: Any = None) -> list[int]:
+    """``model.generate`` on one prompt; returns the new token ids only. ``cache``: a cache already
+    holding the prompt but its last token (generate then runs only the rest)."""
     ids = torch.tensor([list(prompt_ids)], device=target.device)
+    extra = {} if cache is None else {"past_key_values": cache}
     out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                                streamer=streamer)
+                                streamer=streamer, **extra)
     return out[0, ids.shape[1]:].tolist()
 
 
@@ -220,6 +222,15 @@ def prefill_seconds(model: Any, prompt_ids: Sequence[int]) -> float:
     """Wall time of one forward over the prompt alone, into a fresh cache (last logit row only)."""
     cache = models.new_cache(model)
     return timed(lambda: models.forward(model, list(prompt_ids), cache, num_logits=1))[1]
+
+
+@torch.inference_mode()
+def prefill_cache(model: Any, prompt_ids: Sequence[int]) -> tuple[Any, float]:
+    """A cache holding all prompt tokens but the last (which each method's first step feeds), and the
+    wall time it took; methods take copies (:func:`agentspec.models.copy_cache_prefix`)."""
+    cache = models.new_cache(model)
+    seconds = timed(lambda: models.forward(model, list(prompt_ids[:-1]), cache, num_logits=1))[1]
+    return cache, seconds
 
 
 def verify_cost_curve(model: Any, prompt_ids: Sequence[int], max_tokens: int, reps: int) -> dict[int, float]:

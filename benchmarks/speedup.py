@@ -59,7 +59,7 @@ class Output:
     first_tokens: int  # tokens committed by that step (1 + accepted drafts under speculation)
 
 
-Method = Callable[[list[int]], Output]
+Method = Callable[..., Output]  # (prompt ids, cache=None) -> Output; cache: prefilled up to the last prompt token
 
 
 @dataclass
@@ -92,8 +92,10 @@ class Run:
         return self.e2e_s - self.out.first_s
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None, description: str | None = None,
+               defaults: dict[str, Any] | None = None) -> argparse.Namespace:
+    """The benchmark's options; ``defaults`` lets another benchmark (toolcalls.py) reuse them."""
+    p = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     p.add_argument("--targets", default=None, help="comma-separated model aliases (default both)")
     p.add_argument("--dtypes", default=None, help="comma-separated: float32,bfloat16 (default both)")
     p.add_argument("--prompts", type=int, default=None, help="number of BFCL prompts (default 20)")
@@ -116,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output path without suffix (default benchmarks/results/speedup)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 2 prompts, bfloat16, SmolLM2 only, 16 tokens, 2 curve reps")
+    p.set_defaults(**(defaults or {}))
     args = p.parse_args(argv)
     quick = args.quick
     args.targets = (args.targets or (common.TARGETS[0] if quick else ",".join(common.TARGETS))).split(",")
@@ -150,16 +153,17 @@ def make_methods(target: models.LoadedModel, drafter: models.LoadedModel, args: 
     }
 
     def hf(cfg: Any) -> Method:
-        def run(ids: list[int]) -> Output:
+        def run(ids: list[int], cache: Any = None) -> Output:
             timer = common.FirstTokenTimer()
-            tokens = common.hf_generate(target, ids, cfg, streamer=timer)
+            tokens = common.hf_generate(target, ids, cfg, streamer=timer, cache=cache)
             return Output(tokens, None, timer.first_s, timer.first_tokens)
         return run
 
     def spec(engine: SpecEngine) -> Method:
-        def run(ids: list[int]) -> Output:  # SpecEngine.generate, with the first round timed
+        def run(ids: list[int], cache: Any = None) -> Output:  # SpecEngine.generate, with the first round timed
             t0, stats, tokens, first = time.perf_counter(), SpecStats(), [], None
-            for event in engine.stream(ids, params, stats=stats):
+            prefilled = None if cache is None else (cache, len(ids) - 1)
+            for event in engine.stream(ids, params, stats=stats, prefilled=prefilled):
                 first = first or (time.perf_counter() - t0, len(event.tokens))
                 tokens.extend(event.tokens)
             return Output(tokens, stats, *first)
@@ -168,9 +172,13 @@ def make_methods(target: models.LoadedModel, drafter: models.LoadedModel, args: 
     return {"plain": hf(plain_cfg), "prompt_lookup": hf(lookup_cfg), **{m: spec(e) for m, e in engines.items()}}
 
 
-def bench_target_dtype(alias: str, dtype: str, prompts: list[common.Prompt], args: argparse.Namespace
+def bench_target_dtype(alias: str, dtype: str, prompts: list[common.Prompt], args: argparse.Namespace,
+                       factory: Callable[..., dict[str, Method]] | None = None
                        ) -> tuple[list[dict], dict, list[dict], dict]:
-    """One target × dtype: records per method, the verify-cost curve, per-prompt rows, model facts."""
+    """One target × dtype: records per method, the verify-cost curve, per-prompt rows, model facts.
+
+    ``factory(target, drafter, args, curve)`` builds the methods (default :func:`make_methods`); with
+    ``args.keep_text`` each per-prompt row also keeps every method's output text."""
     tag = f"[{alias} {dtype}]"
     (target, load_s) = common.timed(lambda: models.load_model(alias, device="cpu", dtype=dtype))
     drafter = models.layer_skip_drafter(target, args.model_draft_layers)
@@ -196,7 +204,7 @@ def bench_target_dtype(alias: str, dtype: str, prompts: list[common.Prompt], arg
     verify_cost = {"prompt_id": prompts[median_i].id, "prompt_tokens": len(encoded[median_i]),
                    "reps": args.curve_reps, "seconds": curve, "ratio": ratio}
 
-    methods = {m: run for m, run in make_methods(target, drafter, args, curve).items()
+    methods = {m: run for m, run in (factory or make_methods)(target, drafter, args, curve).items()
                if m in args.methods or m == "plain"}
 
     # 2. warm-up: one untimed generation per method on a separate prompt (the policies start learning)
@@ -215,7 +223,8 @@ def bench_target_dtype(alias: str, dtype: str, prompts: list[common.Prompt], arg
     for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
         order = list(methods)[i % len(methods):] + list(methods)[:i % len(methods)]
         this, prefills = measure_prompt(target, methods, order, ids, (targets_passes, drafter_passes),
-                                          args.prefill_reps)
+                                          args.prefill_reps, getattr(args, "shared_prefill", False),
+                                          frozenset(getattr(args, "own_prefill", ())))
         prefill = statistics.median(prefills)
         row = {"prompt_id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids),
                "prefill_s": prefill, "prefill_spread_s": max(prefills) - min(prefills), "methods": {}}
@@ -236,6 +245,8 @@ def bench_target_dtype(alias: str, dtype: str, prompts: list[common.Prompt], arg
                 "cpu_per_wall": r.cpu_s / r.e2e_s, "identical_to_plain": div is None,
                 "mean_accepted_length": r.stats.mean_accepted_length if r.stats else None,
             }
+            if getattr(args, "keep_text", False):
+                row["methods"][name]["text"] = target.tokenizer.decode(r.tokens, skip_special_tokens=True)
         rows.append(row)
         log(tag, f"{i + 1}/{len(prompts)} {prompt.id} ({len(ids)} tok, prefill {prefill:.2f}s, cpu/wall "
             f"{sum(r.cpu_s for r in this.values()) / sum(r.e2e_s for r in this.values()):.2f}) " + " | ".join(
@@ -255,16 +266,27 @@ def bench_target_dtype(alias: str, dtype: str, prompts: list[common.Prompt], arg
 
 
 def measure_prompt(target: models.LoadedModel, methods: dict[str, Method], order: list[str], ids: list[int],
-                   counters: tuple[common.ForwardCounter, common.ForwardCounter], prefill_reps: int = 2
+                   counters: tuple[common.ForwardCounter, common.ForwardCounter], prefill_reps: int = 2,
+                   shared_prefill: bool = False, own_prefill: frozenset[str] = frozenset()
                    ) -> tuple[dict[str, Run], list[float]]:
-    """Prefill, every method in ``order`` (timed end to end, passes counted), prefill again."""
+    """Prefill, every method in ``order`` (timed end to end, passes counted), prefill again.
+
+    ``shared_prefill``: the prompt (but its last token) is prefilled once, timed, and every method
+    starts from a copy of that cache; a method's end-to-end time is then that prefill + its own run.
+    Methods named in ``own_prefill`` still prefill themselves (timed end to end as usual)."""
     target_passes, drafter_passes = counters
-    prefills = [common.prefill_seconds(target.model, ids)]
+    shared = common.prefill_cache(target.model, ids) if shared_prefill else None
+    prefills = [shared[1] if shared else common.prefill_seconds(target.model, ids)]
     target_passes.take(), drafter_passes.take()
     this: dict[str, Run] = {}
     for name in order:
+        share = shared is not None and name not in own_prefill
+        cache = models.copy_cache_prefix(target.model, shared[0], len(ids) - 1) if share else None
         cpu0 = time.process_time()
-        out, seconds = common.timed(lambda run=methods[name]: run(ids))
+        out, seconds = common.timed(lambda run=methods[name], cache=cache: run(ids, cache))
+        if share:
+            seconds += shared[1]
+            out.first_s += shared[1]
         this[name] = Run(out, seconds, target_passes.take(), drafter_passes.take(), time.process_time() - cpu0)
     prefills += [common.prefill_seconds(target.model, ids) for _ in range(prefill_reps - 1)]
     return this, prefills

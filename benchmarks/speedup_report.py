@@ -78,11 +78,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
                                                                             for r in rows]
 
 
-def write_markdown(result: dict, path: Path) -> None:
+def write_markdown(result: dict, path: Path,
+                   title: str = "agentspec speed-up vs plain greedy decoding (BFCL v4 tool-calling prompts)",
+                   notes: list[str] = ()) -> None:
     """Render ``result`` (the JSON written by :mod:`benchmarks.speedup`) as Markdown at ``path``."""
     meta, acc = result["meta"], result["acceptance"]
     m, s = meta["machine"], meta["settings"]
-    out = ["# agentspec speed-up vs plain greedy decoding (BFCL v4 tool-calling prompts)", "",
+    out = [f"# {title}", "", *notes, "",
            f"{m['date_utc']} · {m['cpu']} ({', '.join(m['cpu_flags'])}) · {m['cpu_count']} cores, "
            f"{m['torch_threads']} torch threads · torch {m['torch']} · transformers {m['transformers']} · "
            f"commit {m['git_commit'] or 'none'}", "",

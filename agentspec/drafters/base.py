@@ -19,6 +19,8 @@ class DraftContext:
 
     ``tokens`` are all committed tokens (prompt + generated so far); the drafter proposes what follows.
     ``history`` holds earlier token sequences of the same conversation/agent (copy sources).
+    ``tools``/``tool_choice``/``response_format`` are the request's, for grammar drafting;
+    ``index_key`` names the cross-conversation copy index to use (the API key, server-side).
     """
 
     tokens: list[int]
@@ -26,6 +28,10 @@ class DraftContext:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: Any = None  # torch.Generator for sampled drafts; None for greedy
     history: list[list[int]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    index_key: str = ""
 
 
 @runtime_checkable
@@ -56,10 +62,83 @@ def register_drafter(name: str) -> Callable[[Callable[..., Drafter]], Callable[.
     return deco
 
 
+class TokenTrie:
+    """Token sequences merged into a tree: nodes in topological (insertion) order with parent indices."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self._children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def new_nodes(self, seq: list[int]) -> int:
+        """How many nodes adding ``seq`` would create."""
+        parent, i = -1, 0
+        while i < len(seq) and (parent, seq[i]) in self._children:
+            parent = self._children[(parent, seq[i])]
+            i += 1
+        return len(seq) - i
+
+    def add_chain(self, seq: list[int]) -> None:
+        parent = -1
+        for tok in seq:
+            node = self._children.get((parent, tok))
+            if node is None:
+                node = len(self.tokens)
+                self.tokens.append(tok)
+                self.parents.append(parent)
+                self._children[(parent, tok)] = node
+            parent = node
+
+    def is_branching(self) -> bool:
+        return any(p != i - 1 for i, p in enumerate(self.parents))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def propose_round(drafter: Drafter | None, ctx: DraftContext, k: int) -> DraftProposal:
+    """One round's draft: ``k`` free draft tokens (the γ policy's choice) — plus, from drafters that know
+    them (``drafts_forced``), the grammar-forced tokens, which are drafted even when ``k`` is 0.
+    ``k < 0`` means no draft at all (speculation off for this round)."""
+    if drafter is None or k < 0 or (k == 0 and not getattr(drafter, "drafts_forced", False)):
+        return DraftProposal()
+    return drafter.propose(ctx, max(k, 0))
+
+
+def observed_acceptance(proposal: DraftProposal, reached: int, accepted: int) -> tuple[int, int, int]:
+    """(drafted, reached, accepted) of a round's *free* draft tokens, for the γ policy's estimates.
+
+    Forced tokens are not the policy's choice and are accepted almost surely; counting them would
+    inflate α. When the target rejects a forced token the free tokens were never reached."""
+    f = proposal.num_forced
+    if accepted < f:
+        return len(proposal) - f, 0, 0
+    return len(proposal) - f, max(reached - f, 0), accepted - f
+
+
+def remember_output(drafter: Drafter | None, ctx: DraftContext) -> None:
+    """Hand a finished generation to drafters that index past outputs (cross-conversation copying)."""
+    remember = getattr(drafter, "remember", None)
+    if remember is not None:
+        remember(ctx)
+
+
 def make_drafter(name: str, **kwargs: Any) -> Drafter:
     """Build a registered drafter by name (``ngram``, ``model``, ...)."""
-    import agentspec.drafters.model  # noqa: F401  (registers the built-in drafters)
+    import agentspec.drafters.copy  # noqa: F401  (registers the built-in drafters)
+    import agentspec.drafters.grammar  # noqa: F401
+    import agentspec.drafters.model  # noqa: F401
     import agentspec.drafters.ngram  # noqa: F401
+    import agentspec.drafters.tree  # noqa: F401
 
     try:
         factory = DRAFTERS[name]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from agentspec import models
-from agentspec.drafters.base import DraftContext, register_drafter
+from agentspec.drafters.base import DraftContext, common_prefix, register_drafter
 from agentspec.types import DraftProposal, SparseDist
 from agentspec.verify import sampling_probs
 
@@ -47,7 +47,7 @@ class ModelDrafter:
         if k <= 0 or not ctx.tokens:
             return DraftProposal(source=self.name)
         # 1. reconcile the cache with the committed tokens; always feed at least the last one
-        common = _common_prefix(self._cached, ctx.tokens)
+        common = common_prefix(self._cached, ctx.tokens)
         common = min(common, len(ctx.tokens) - 1)
         models.crop_cache(self._cache, common)
         del self._cached[common:]
@@ -88,10 +88,3 @@ class ModelDrafter:
         dist = SparseDist(tuple(ids.tolist()), tuple(kept.cpu().tolist()))
         return [int(ids[d]) for d in draws], dist
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

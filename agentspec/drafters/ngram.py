@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agentspec.drafters.base import DraftContext, register_drafter
+from agentspec.drafters.base import DraftContext, TokenTrie, register_drafter
 from agentspec.types import DraftProposal
 
 
@@ -75,17 +75,7 @@ def _match_starts(source: np.ndarray, pattern: np.ndarray) -> np.ndarray:
 
 def merge_into_tree(candidates: list[list[int]], source: str) -> DraftProposal:
     """A trie of several token sequences, nodes in topological (insertion) order."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    trie = TokenTrie()
     for seq in candidates:
-        parent = -1
-        for tok in seq:
-            node = children.get((parent, tok))
-            if node is None:
-                node = len(tokens)
-                tokens.append(tok)
-                parents.append(parent)
-                children[(parent, tok)] = node
-            parent = node
-    return DraftProposal(tokens=tuple(tokens), parents=tuple(parents), source=source)
+        trie.add_chain(seq)
+    return DraftProposal(tokens=tuple(trie.tokens), parents=tuple(trie.parents), source=source)

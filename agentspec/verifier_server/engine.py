@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from agentspec import models
-from agentspec.drafters.base import DraftContext, Drafter
+from agentspec.drafters.base import DraftContext, Drafter, observed_acceptance, propose_round
+from agentspec.drafters.copy import SuffixIndex
 from agentspec.drafters.model import ModelDrafter
-from agentspec.drafters.ngram import NgramDrafter
+from agentspec.drafters.tree import default_drafter
 from agentspec.protocol import (
     BASE_LEN_MISMATCH,
     Draft,
@@ -100,6 +101,8 @@ class VerifierEngine:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentspec-model")
         self.scheduler = BatchScheduler(self, config.max_batch_size, config.batch_window_s)
         self.policies: dict[str, DraftLengthPolicy] = {}
+        self.copy_index = SuffixIndex()  # past outputs per API key: cross-conversation copy drafting
+        self.verify_costs: dict[int, float] = {}
         self.ready = False
 
     # -- start-up ----------------------------------------------------------------------------------
@@ -108,8 +111,9 @@ class VerifierEngine:
         """Run the model once, measure the verify-cost curve (it seeds the server-mode draft policies)."""
         ids = [t % self.vocab_size for t in range(1, 33)]
         curve = models.measure_verify_cost(self.target.model, ids, self.config.max_draft_tokens + 1, reps=1)
-        for name in ("model", "ngram"):
+        for name in ("model", "copy"):
             self.policies[name] = DraftLengthPolicy.from_calibration(curve)
+        self.verify_costs = curve
         cache = models.new_cache(self.target.model)
         models.forward(self.target.model, ids[:8], cache, 1)
         self.store.bytes_per_token = -(-models.cache_nbytes(cache) // 8)
@@ -153,6 +157,7 @@ class VerifierEngine:
         stops = frozenset(req.stop_token_ids if req.stop_token_ids is not None else self.target.eos_token_ids)
         t0 = time.perf_counter()
         session, reused = await self.run_on_model(self._create_and_prefill, owner, ids, max_new, stops)
+        session.structure = (req.tools, req.tool_choice, req.response_format)
         if self.metrics:
             self.metrics.prompt_tokens(len(ids) - reused, reused)
         return SessionInfo(session_id=session.id, prompt_ids=ids, committed_len=len(session.tokens),
@@ -218,14 +223,17 @@ class VerifierEngine:
             drafter, policy, k = None, None, 0
             if req.mode == "server":
                 k = req.num_draft_tokens if req.num_draft_tokens is not None else self.config.default_num_draft_tokens
-                name = "model" if self.draft_model is not None else "ngram"
+                name = "model" if self.draft_model is not None else "copy"
                 if session.drafter is None:  # kept on the session: its KV cache follows later turns too
-                    session.drafter = ModelDrafter(self.draft_model) if self.draft_model is not None else NgramDrafter()
+                    model = ModelDrafter(self.draft_model) if self.draft_model is not None else None
+                    session.drafter = default_drafter(self.target.tokenizer, model, self.copy_index,
+                                                      self.verify_costs)
                 drafter = session.drafter
                 policy = self.policies.get(name) if req.num_draft_tokens is None else None
             while True:
                 left = req.max_new_tokens - (session.num_generated - start)
-                item = _Item(session, DraftProposal(), req.sampling, drafter, min(k, max(left - 1, 0)), policy)
+                k_round = min(k, left - 1) if k > 0 else -1  # -1: no draft at all, not even forced tokens
+                item = _Item(session, DraftProposal(), req.sampling, drafter, k_round, policy)
                 reply = await self.scheduler.submit(item, limit=start + req.max_new_tokens)
                 yield reply
                 if reply.finished:
@@ -238,13 +246,17 @@ class VerifierEngine:
         outcomes = [_Outcome() for _ in items]
         draft_s = [0.0] * len(items)
         for i, item in enumerate(items):
-            if item.drafter is not None and item.num_draft_tokens > 0:
-                k = item.policy.choose(item.num_draft_tokens) if item.policy else item.num_draft_tokens
+            if item.drafter is not None and item.num_draft_tokens >= 0:
+                k = item.num_draft_tokens
+                if item.policy is not None and k > 0:
+                    k = item.policy.choose(k)
                 t0 = time.perf_counter()
-                params = _sampling_params(item.sampling)
-                ctx = DraftContext(item.session.tokens, item.session.num_prompt_tokens, params,
-                                   self._generator(item.session, item.sampling))
-                item.draft = item.drafter.propose(ctx, k) if k > 0 else DraftProposal()
+                s = item.session
+                tools, tool_choice, response_format = s.structure
+                ctx = DraftContext(s.tokens, s.num_prompt_tokens, _sampling_params(item.sampling),
+                                   self._generator(s, item.sampling), tools=tools, tool_choice=tool_choice,
+                                   response_format=response_format, index_key=s.owner)
+                item.draft = propose_round(item.drafter, ctx, k)
                 draft_s[i] = time.perf_counter() - t0
         t0 = time.perf_counter()
         inputs, masks, positions, pendings = [], [], [], []
@@ -304,11 +316,15 @@ class VerifierEngine:
         # the session ends at a stop or its own cap; a generate request's own limit only ends that request
         session_done = finish == "stop" or len(s.tokens) >= session_cap
         s.finished, s.finish_reason = session_done, finish if session_done else None
+        if finish is not None:  # a finished answer feeds cross-conversation copy drafting (per API key)
+            self.copy_index.add(s.tokens[s.num_prompt_tokens :], s.owner)
         s.last_used = time.monotonic()
         self.store.update_size(s)
         if item.policy is not None:
             reached = path_depth(parents, result)
-            item.policy.observe(len(d), reached, result.num_accepted, verify_s if batch_size == 1 else None, draft_s)
+            free, reached, accepted = observed_acceptance(d, reached, result.num_accepted)
+            item.policy.observe(free, reached, accepted, verify_s if batch_size == 1 else None, draft_s,
+                                pass_tokens=len(d))
         if self.metrics:
             self.metrics.round(len(d), result.num_accepted, len(new), verify_s,
                                "server" if item.drafter is not None else "edge" if len(d) else "server-ar")

@@ -53,6 +53,7 @@ class Session:
     async_lock: Any = None  # asyncio.Lock, created on the server's event loop
     text_sent: int = 0  # characters of the generated text already returned
     drafter: Any = None  # server mode: this session's drafter (with its own KV cache)
+    structure: tuple[Any, Any, Any] = (None, None, None)  # (tools, tool_choice, response_format): grammar drafting
 
     @property
     def num_generated(self) -> int:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentspec.protocol import Generate, OpenSession, Sampling
-from agentspec.toolcalls import ToolCallParser, normalise_tools
+from agentspec.toolcalls import IncrementalDecoder, ToolCallParser, normalise_tools
 from agentspec.verifier_server.engine import VerifierEngine
 
 
@@ -96,21 +96,6 @@ class ChatRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class _Decoder:
-    """Token ids → text deltas, holding back an incomplete multi-byte character."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
-
-    def add(self, ids: list[int]) -> str:
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.sent = text[self.sent :], len(text)
-        return delta
-
-
 async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner: str
                                  ) -> AsyncIterator[dict[str, Any]]:
     """Yield OpenAI ``chat.completion.chunk`` dicts; the last one carries usage."""
@@ -121,15 +106,20 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
         messages = [*messages[:-1], _nudge(messages[-1], f"Call the function {name}.")]
     elif req.tool_choice == "required":
         messages = [*messages[:-1], _nudge(messages[-1], "Answer with a function call.")]
-    info = await engine.open_session(OpenSession(messages=messages, tools=tools), owner)
+    structured = req.response_format if (req.response_format or {}).get("type") in ("json_object", "json_schema") \
+        else None
+    info = await engine.open_session(OpenSession(messages=messages, tools=tools, tool_choice=req.tool_choice,
+                                                 response_format=structured), owner)
     session = engine.store.get(info.session_id, owner)
     created, cid = int(time.time()), "chatcmpl-" + uuid.uuid4().hex[:24]
     model = req.model or engine.config.served_model_name
     max_new = req.max_completion_tokens or req.max_tokens or 512
     sampling = Sampling(temperature=req.temperature or 0.0, top_p=req.top_p or 1.0, seed=req.seed)
-    mode: Literal["server", "server-ar"] = "server" if engine.draft_model is not None else "server-ar"
+    # co-located speculation with a drafter, or for structured output (grammar + copy drafts need no model)
+    speculate = engine.draft_model is not None or bool(tools) or structured is not None
+    mode: Literal["server", "server-ar"] = "server" if speculate else "server-ar"
     gen = Generate(base_len=info.committed_len, mode=mode, max_new_tokens=max_new, sampling=sampling)
-    decoder = _Decoder(engine.target.tokenizer)
+    decoder = IncrementalDecoder(engine.target.tokenizer)
     parser = ToolCallParser(tools_enabled=bool(tools))
     stops, held = req.stops, ""
     n_completion, finish, calls = 0, "stop", 0

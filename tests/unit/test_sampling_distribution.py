@@ -100,9 +100,15 @@ def test_accepting_everything_would_be_detected():
     assert tv_distance(samples, exact) > 0.2
 
 
-def test_engine_sampling_matches_target_model(target, wrong_drafter_model):
-    """End to end through SpecEngine with a model drafter: first two tokens match the target's law."""
+@pytest.mark.parametrize("kind", ["model_tree", "grammar_copy_model"])
+def test_engine_sampling_matches_target_model(target, wrong_drafter_model, kind):
+    """End to end through SpecEngine: the first two tokens match the target's law — with a model drafter
+    (a sampled tree), and with the tree drafter (a grammar-forced point-mass ``{`` for a JSON answer,
+    then the model's sampled tokens)."""
     from agentspec.drafters import ModelDrafter
+    from agentspec.drafters.copy import CopyDrafter
+    from agentspec.drafters.grammar import GrammarDrafter
+    from agentspec.drafters.tree import TreeDrafter
     from agentspec.engine import SpecEngine
 
     params = SamplingParams(temperature=1.5, top_k=3, max_new_tokens=2)
@@ -117,9 +123,15 @@ def test_engine_sampling_matches_target_model(target, wrong_drafter_model):
             p2 = sampling_probs(l2, params).cpu()
             for x2 in torch.nonzero(p2).flatten().tolist():
                 exact[(x1, x2)] = float(p1[x1] * p2[x2])
-    engine = SpecEngine(target, ModelDrafter(wrong_drafter_model, tree_width=2), num_draft_tokens=3, stop_token_ids=())
-    samples = [tuple(engine.generate(prompt, SamplingParams(temperature=1.5, top_k=3, max_new_tokens=2, seed=s)).tokens)
-               for s in range(1500)]
+    model = ModelDrafter(wrong_drafter_model, tree_width=2)
+    drafter = model if kind == "model_tree" else TreeDrafter(GrammarDrafter(target.tokenizer), CopyDrafter(), model)
+    engine = SpecEngine(target, drafter, num_draft_tokens=3, stop_token_ids=())
+    json_answer = {"type": "json_object"} if kind != "model_tree" else None
+    samples = [tuple(engine.generate(prompt, SamplingParams(temperature=1.5, top_k=3, max_new_tokens=2, seed=s),
+                                     response_format=json_answer).tokens) for s in range(1500)]
+    if kind != "model_tree":
+        assert engine.generate(prompt, SamplingParams(max_new_tokens=2, temperature=1.5, top_k=3),
+                               response_format=json_answer).stats.drafted >= 1  # the forced "{" was drafted
     assert set(samples) <= set(exact)
     tv_small, tv_large = tv_distance(samples[:150], exact), tv_distance(samples, exact)
     assert tv_large < 0.06, tv_large

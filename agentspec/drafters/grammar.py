@@ -1,0 +1,253 @@
+"""Grammar drafting: the tokens a tool call's grammar forces, drafted with no model at all.
+
+From the request's tools (OpenAI format, JSON-schema parameters), ``tool_choice`` and
+``response_format``, :class:`ToolCallGrammar` builds llguidance grammars of a valid call in the
+target's formats. :class:`GrammarDrafter` follows the committed tokens; when they open a call (the
+Hermes/Qwen ``<tool_call>`` tag, a ```` ```json ```` fence, a bare JSON object as the whole answer, or
+the answer's start when ``tool_choice`` or ``response_format`` demand structure) it starts a matcher,
+and each round it drafts the tokens the grammar forces (``{"name": "``, the only valid next key,
+``"arguments": ``, closing brackets) and tells other drafters how much of their proposal the grammar
+allows (:meth:`GrammarDrafter.valid_prefix`).
+
+The grammar shapes drafts only: the target still decides every token. When the committed tokens leave
+the grammar (free text instead of a call, another argument order) the matcher is dropped and drafting
+goes on without it, until the next opening.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from agentspec.drafters.base import DraftContext, common_prefix, register_drafter
+from agentspec.drafters.json_grammar import LarkJson, call_rule, grammar_text, lit
+from agentspec.toolcalls import normalise_tools
+from agentspec.types import DraftProposal
+
+_OPEN_TAG, _CLOSE_TAG, _FENCE = "<tool_call>", "</tool_call>", "```"
+
+_LL_LOCK = threading.Lock()
+_LL_TOKENIZERS: dict[int, tuple[Any, Any]] = {}  # id(hf tokenizer) -> (tokenizer, llguidance tokenizer)
+
+
+def ll_tokenizer(tokenizer: Any) -> Any:
+    """llguidance's view of a Hugging Face tokenizer (built once per tokenizer: about 2 s for 150k tokens)."""
+    import llguidance.hf
+
+    with _LL_LOCK:
+        hit = _LL_TOKENIZERS.get(id(tokenizer))
+        if hit is None or hit[0] is not tokenizer:
+            try:
+                ll = llguidance.hf.from_tokenizer(tokenizer)
+            except ValueError:  # a tokenizer.json llguidance cannot read (e.g. a Fuse decoder): go by ids
+                ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokensByText(tokenizer)))
+            hit = (tokenizer, ll)
+            if len(_LL_TOKENIZERS) >= 8:
+                _LL_TOKENIZERS.pop(next(iter(_LL_TOKENIZERS)))
+            _LL_TOKENIZERS[id(tokenizer)] = hit
+        return hit[1]
+
+
+class _TokensByText:
+    """A tokenizer described to llguidance by each token's decoded text (for non-byte-level vocabularies)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        special = set(tokenizer.all_special_ids)
+        self.eos_token_id, self.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+        self.special_token_ids = sorted(special)
+        self.tokens = [(tokenizer.convert_ids_to_tokens(i) if i in special else tokenizer.decode([i])).encode()
+                       for i in range(len(tokenizer))]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _special_or_literal(tokenizer: Any, text: str) -> str:
+    """``<[id]>`` when ``text`` is one added (special) token of the tokenizer, else a string literal."""
+    ids = tokenizer.convert_tokens_to_ids([text]) if hasattr(tokenizer, "convert_tokens_to_ids") else [None]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if ids and isinstance(ids[0], int) and ids[0] != unk and ids[0] >= 0:
+        return f"<[{ids[0]}]>"
+    return lit(text)
+
+
+@dataclass(frozen=True)
+class _Opening:
+    """Committed text that opens a structured span, and the grammar (start rule body) that follows it."""
+
+    suffix: str
+    body: str
+
+
+class ToolCallGrammar:
+    """Compiled grammars of one request's structured output, keyed by how the span was opened."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None,
+                 tool_choice: str | dict[str, Any] | None = None,
+                 response_format: dict[str, Any] | None = None) -> None:
+        import llguidance
+
+        self._ll = ll_tokenizer(tokenizer)
+        self._llguidance = llguidance
+        tools = normalise_tools(tools) or []
+        if tool_choice == "none":
+            tools = []
+        elif isinstance(tool_choice, dict):
+            wanted = (tool_choice.get("function") or {}).get("name")
+            tools = [t for t in tools if (t.get("function") or {}).get("name") == wanted]
+        tools = [t["function"] for t in tools if (t.get("function") or {}).get("name")]
+        # both layouts targets use: compact (Qwen's tojson) and two-space indents (json.dumps(indent=2))
+        self._layouts = (LarkJson(None, "c"), LarkJson(2, "p"))
+        self.openings: list[_Opening] = []
+        self.at_start: str | None = None  # grammar engaged before the answer's first token
+        self.bare: str | None = None  # grammar engaged when the answer's first token starts a JSON value
+        if tools:
+            one = " | ".join(call_rule(g, t["name"], t.get("parameters"), 0) for g in self._layouts for t in tools)
+            lists = []
+            for g in self._layouts:
+                item = " | ".join(call_rule(g, t["name"], t.get("parameters"), 1) for t in tools)
+                open_, sep, close = lit("[" + g.newline(1)), lit(g.sep(0)), lit(g.newline(0) + "]")
+                lists.append(f"{open_} ({item}) ({sep} ({item}))* {close}")
+            many = " | ".join([one, *lists])
+            close_tag = _special_or_literal(tokenizer, _CLOSE_TAG)
+            in_tag = f'({one}) "\\n" {close_tag}'
+            in_fence = f'({many}) "\\n{_FENCE}"'
+            self.openings = [_Opening(_OPEN_TAG, f'"\\n" {in_tag}'), _Opening(_OPEN_TAG + "\n", in_tag),
+                             _Opening(_FENCE + "json", f'"\\n" {in_fence}'), _Opening(_FENCE + "json\n", in_fence)]
+            self.bare = many
+            if tool_choice == "required" or isinstance(tool_choice, dict):
+                self.at_start = f'{_special_or_literal(tokenizer, _OPEN_TAG)} "\\n" {in_tag}'
+        rf = response_format or {}
+        schema = None
+        if rf.get("type") == "json_schema":
+            schema = (rf.get("json_schema") or {}).get("schema") or {"type": "object"}
+        elif rf.get("type") == "json_object":
+            schema = {"type": "object"}
+        if schema is not None:
+            self.at_start = self.bare = " | ".join(g.value(schema, 0) for g in self._layouts)
+        self._compiled: dict[str, Any] = {}
+
+    @property
+    def empty(self) -> bool:
+        return not self.openings and self.at_start is None and self.bare is None
+
+    def matcher(self, body: str) -> Any | None:
+        """A fresh matcher for a start rule body, or None if the grammar does not compile."""
+        if body not in self._compiled:
+            grammar = self._llguidance.LLMatcher.grammar_from_lark(grammar_text(body, *self._layouts))
+            ok = not self._llguidance.LLMatcher.validate_grammar(grammar, self._ll)
+            self._compiled[body] = grammar if ok else None
+        grammar = self._compiled[body]
+        if grammar is None:
+            return None
+        m = self._llguidance.LLMatcher(self._ll, grammar, log_level=0)
+        return None if m.is_error() else m
+
+
+@register_drafter("grammar")
+class GrammarDrafter:
+    """Drafts the grammar-forced tokens of tool calls / JSON answers; filters other drafters' proposals.
+
+    The grammar comes from the :class:`DraftContext`'s ``tools``/``tool_choice``/``response_format``
+    (compiled once per distinct request shape). ``max_forced`` caps one round's forced run.
+    """
+
+    name = "grammar"
+    drafts_forced = True
+
+    def __init__(self, tokenizer: Any, max_forced: int = 32, max_grammars: int = 16) -> None:
+        if tokenizer is None:
+            raise ValueError("GrammarDrafter needs the target's tokenizer")
+        self.tokenizer, self.max_forced, self.max_grammars = tokenizer, max_forced, max_grammars
+        self._grammars: dict[str, ToolCallGrammar] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        self._seen: list[int] = []  # committed tokens already followed
+        self._matcher: Any = None
+        self._grammar: ToolCallGrammar | None = None
+        self._key: str | None = None
+        self.left_grammar = 0  # times the committed tokens left an engaged grammar (for statistics)
+
+    # -- following the committed tokens -------------------------------------------------------------
+
+    def sync(self, ctx: DraftContext) -> bool:
+        """Follow ``ctx.tokens``; True when a grammar is engaged at the end of them."""
+        key = json.dumps([ctx.tools, ctx.tool_choice, ctx.response_format], sort_keys=True, default=str)
+        common = common_prefix(self._seen, ctx.tokens)
+        if key != self._key or common < len(self._seen) or common < ctx.num_prompt_tokens:
+            self._key, self._grammar = key, self._grammar_for(key, ctx)
+            self._matcher, self._seen = None, list(ctx.tokens[: ctx.num_prompt_tokens])
+            if self._grammar is not None:
+                self._matcher = self._engage_at_start(ctx)
+        if self._grammar is None:
+            self._seen = list(ctx.tokens)
+            return False
+        for i in range(len(self._seen), len(ctx.tokens)):
+            self._step(ctx, i)
+        return self._matcher is not None
+
+    def _grammar_for(self, key: str, ctx: DraftContext) -> ToolCallGrammar | None:
+        if not ctx.tools and not ctx.response_format:
+            return None
+        if key not in self._grammars:
+            if len(self._grammars) >= self.max_grammars:
+                self._grammars.pop(next(iter(self._grammars)))
+            g = ToolCallGrammar(self.tokenizer, ctx.tools, ctx.tool_choice, ctx.response_format)
+            self._grammars[key] = g
+        g = self._grammars[key]
+        return None if g.empty else g
+
+    def _engage_at_start(self, ctx: DraftContext) -> Any | None:
+        """A matcher for the answer's start: when the prompt ends with an opening (an assistant prefill
+        such as ``<tool_call>``), or when ``tool_choice``/``response_format`` demand structure."""
+        g = self._grammar
+        tail = self.tokenizer.decode(ctx.tokens[max(ctx.num_prompt_tokens - 16, 0) : ctx.num_prompt_tokens])
+        for opening in g.openings:
+            if tail.endswith(opening.suffix):
+                return g.matcher(opening.body)
+        return g.matcher(g.at_start) if g.at_start is not None else None
+
+    def _step(self, ctx: DraftContext, i: int) -> None:
+        tok = ctx.tokens[i]
+        self._seen.append(tok)
+        g = self._grammar
+        if self._matcher is not None:
+            if not self._matcher.consume_token(tok) or self._matcher.is_error():
+                self._matcher = None  # the target left the grammar: draft without it
+                self.left_grammar += 1
+            elif self._matcher.is_stopped():
+                self._matcher = None  # the span is complete
+            return
+        generated = ctx.tokens[ctx.num_prompt_tokens : i + 1]
+        tail = self.tokenizer.decode(generated[-16:])  # >= the longest opening, even at a byte per token
+        for opening in g.openings:
+            if tail.endswith(opening.suffix):
+                self._matcher = g.matcher(opening.body)
+                return
+        if g.bare is not None and len(generated) == 1 and tail.lstrip()[:1] in ("{", "["):
+            m = g.matcher(g.bare)
+            if m is not None and m.consume_token(tok) and not m.is_error():
+                self._matcher = m
+
+    # -- drafting ------------------------------------------------------------------------------------
+
+    def forced(self, ctx: DraftContext) -> list[int]:
+        """The tokens the grammar forces after ``ctx.tokens`` (empty when no grammar is engaged)."""
+        if not self.sync(ctx):
+            return []
+        return [int(t) for t in self._matcher.compute_ff_tokens()[: self.max_forced]]
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` (following the synced context) the engaged grammar allows."""
+        if self._matcher is None or not tokens:
+            return len(tokens)
+        return int(self._matcher.validate_tokens(tokens))
+
+    def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
+        forced = self.forced(ctx)
+        return DraftProposal(tokens=tuple(forced), source=self.name, num_forced=len(forced))
+

@@ -1,0 +1,117 @@
+"""JSON Schema → lark rules that also fix the layout, so a grammar can force whitespace too.
+
+llguidance's ``%json`` fixes separators but not indentation; chat targets write tool calls either compact
+(``{"name": "f", "arguments": {"x": 1}}``, Qwen's ``tojson``) or pretty-printed with two-space indents
+(``json.dumps(indent=2)``, what Qwen2.5-Coder writes in a code fence). :class:`LarkJson` writes, for
+the common schema subset (objects with properties, strings, enums, consts, numbers, integers,
+booleans, null, arrays), rules in one layout; anything else becomes llguidance's own flexible
+``%json``. Properties come in schema order; optional ones may be left out.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+STRING = r'/"(\\(["\\\/bfnrt]|u[0-9a-fA-F]{4})|[^"\\\x00-\x1f])*"/'
+INTEGER = r"/-?(0|[1-9][0-9]*)/"
+NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
+_SCALARS = {"string": "JSON_STRING", "integer": "JSON_INTEGER", "number": "JSON_NUMBER",
+            "boolean": '"true" | "false"', "null": '"null"'}
+
+
+def lit(text: str) -> str:
+    """A lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+class LarkJson:
+    """Collects the rules of one grammar; :meth:`value` returns a rule name for a schema at a depth."""
+
+    def __init__(self, indent: int | None, prefix: str = "j") -> None:
+        self.indent = indent  # None: compact (", " and ": "); n: pretty-printed, n spaces per level
+        self.prefix = prefix  # rule names start with it: several layouts can share one grammar
+        self.rules: dict[str, str] = {}
+        self._names: dict[str, str] = {}
+
+    def _rule(self, body: str, hint: str) -> str:
+        name = self._names.get(body)
+        if name is None:
+            name = f"{self.prefix}_{hint}_{len(self.rules)}"
+            self._names[body], self.rules[name] = name, body
+        return name
+
+    def newline(self, depth: int) -> str:
+        return "" if self.indent is None else "\n" + " " * (self.indent * depth)
+
+    def sep(self, depth: int) -> str:
+        """Between items of a container at ``depth`` (its items sit at ``depth + 1``)."""
+        return ", " if self.indent is None else "," + self.newline(depth + 1)
+
+    def value(self, schema: Any, depth: int) -> str:
+        """A rule matching a JSON value valid for ``schema``, laid out as if it started at ``depth``."""
+        if not isinstance(schema, dict):
+            return self._any()
+        if "enum" in schema and isinstance(schema["enum"], list) and schema["enum"]:
+            return self._rule(" | ".join(lit(json.dumps(v, ensure_ascii=False)) for v in schema["enum"]), "enum")
+        if "const" in schema:
+            return self._rule(lit(json.dumps(schema["const"], ensure_ascii=False)), "const")
+        kind = schema.get("type")
+        if kind in _SCALARS:
+            return self._rule(_SCALARS[kind], kind)
+        if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
+            return self._object(schema, depth)
+        if kind == "array" and isinstance(schema.get("items"), dict):
+            return self._array(schema["items"], depth)
+        return self._any()
+
+    def _any(self) -> str:
+        return self._rule('%json{"type": ["object", "array", "string", "number", "boolean", "null"]}', "any")
+
+    def _object(self, schema: dict[str, Any], depth: int) -> str:
+        props = list(schema["properties"].items())
+        required = set(schema.get("required") or [])
+        members = [lit(f"{json.dumps(k, ensure_ascii=False)}: ") + " " + self.value(v, depth + 1) for k, v in props]
+        optional = [k not in required for k, _ in props]
+        # start[i]: members i.. with none written yet (never empty); rest[i]: members i.. after at least
+        # one, each preceded by the separator (may be empty)
+        sep = lit(self.sep(depth))
+        rest, start = [""] * (len(props) + 1), [""] * (len(props) + 1)
+        for i in range(len(props) - 1, -1, -1):
+            item = f"{sep} {members[i]}"
+            rest[i] = f"({item})? {rest[i + 1]}".strip() if optional[i] else f"{item} {rest[i + 1]}".strip()
+            first = f"{members[i]} {rest[i + 1]}".strip()
+            alts = [first] + ([start[i + 1]] if optional[i] and start[i + 1] else [])
+            start[i] = self._rule(" | ".join(alts), "members")
+            if rest[i]:
+                rest[i] = self._rule(rest[i], "more")
+        open_, close = lit("{" + self.newline(depth + 1)), lit(self.newline(depth) + "}")
+        body = f"{open_} {start[0]} {close}"
+        if all(optional):
+            body += ' | "{}"'
+        return self._rule(body, "object")
+
+    def _array(self, items: dict[str, Any], depth: int) -> str:
+        item = self.value(items, depth + 1)
+        open_, close = lit("[" + self.newline(depth + 1)), lit(self.newline(depth) + "]")
+        return self._rule(f'"[]" | {open_} {item} ({lit(self.sep(depth))} {item})* {close}', "array")
+
+    def lark(self) -> str:
+        """The collected rules (the terminals they use are :data:`TERMINALS`)."""
+        return "\n".join(f"{name}: {body}" for name, body in self.rules.items())
+
+
+TERMINALS = f"JSON_STRING: {STRING}\nJSON_INTEGER: {INTEGER}\nJSON_NUMBER: {NUMBER}"
+
+
+def grammar_text(start: str, *layouts: LarkJson) -> str:
+    """A complete llguidance lark grammar: ``start``, the layouts' rules and the shared terminals."""
+    return "\n".join(["%llguidance {}", f"start: {start}", *(g.lark() for g in layouts), TERMINALS, ""])
+
+
+def call_rule(g: LarkJson, name: str, parameters: dict[str, Any] | None, depth: int) -> str:
+    """A rule for ``{"name": <name>, "arguments": {...}}`` in ``g``'s layout at ``depth``."""
+    args = g.value(parameters or {"type": "object"}, depth + 1)
+    head = (lit("{" + g.newline(depth + 1) + f'"name": {json.dumps(name, ensure_ascii=False)}'
+                + g.sep(depth) + '"arguments": '))
+    return g._rule(f"{head} {args} {lit(g.newline(depth) + '}')}", "call")

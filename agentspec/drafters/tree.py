@@ -1,0 +1,162 @@
+"""TreeDrafter: grammar-forced spans, copy candidates and model branches merged into one token tree.
+
+One round: the grammar's forced tokens ``F`` come first (a chain: every path shares them); after them
+each source proposes continuations of the context extended by ``F`` — copy candidates (longest match
+first) and the model drafter's chain (with its top-k siblings if it has ``tree_width > 1``). Each is
+cut to the prefix the grammar allows, and they are merged into a trie, verified in one pass.
+
+The node budget follows the measured verify-cost curve: beyond the first (best) candidate, more
+branches are added only while a pass of that many tokens costs about what one token costs
+(:meth:`TreeDrafter.set_verify_costs`); on hardware where t_v(k) grows with k the tree stays a chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from agentspec.drafters.base import DraftContext, Drafter, TokenTrie, register_drafter
+from agentspec.drafters.copy import CopyDrafter
+from agentspec.drafters.grammar import GrammarDrafter
+from agentspec.types import DraftProposal
+
+STRONG_COPY = 2  # copy matches at least this long are tried before the model drafter's guess
+
+
+@register_drafter("tree")
+class TreeDrafter:
+    """Merge grammar, copy and model drafts (any of them may be None) into one token tree."""
+
+    name = "tree"
+    drafts_forced = True
+
+    def __init__(self, grammar: GrammarDrafter | None = None, copy: CopyDrafter | None = None,
+                 model: Drafter | None = None, node_budget: int = 0, max_forced: int = 16) -> None:
+        """``node_budget``: most nodes per round beyond the forced span and the first candidate
+        (0: a single chain); ``max_forced``: most grammar-forced tokens drafted in one round."""
+        if node_budget < 0 or max_forced < 0:
+            raise ValueError("node_budget and max_forced must be >= 0")
+        self.grammar, self.copy, self.model = grammar, copy, model
+        self.node_budget, self.max_forced = node_budget, max_forced
+
+    def reset(self) -> None:
+        for d in (self.grammar, self.copy, self.model):
+            if d is not None:
+                d.reset()
+
+    def remember(self, ctx: DraftContext) -> None:
+        if self.copy is not None:
+            self.copy.remember(ctx)
+
+    def set_verify_costs(self, seconds_by_pass_len: Mapping[int, float], flat: float = 1.15,
+                         most: int = 32) -> int:
+        """Set the node budget to the most tokens a pass can carry for at most ``flat`` times the cost of
+        one token (a measured t_v curve keyed by tokens per pass); returns the budget."""
+        base = seconds_by_pass_len.get(1)
+        if not base:
+            raise ValueError("the verify-cost curve needs an entry for 1 token per pass")
+        flat_len = max((n for n, s in seconds_by_pass_len.items() if s <= flat * base), default=1)
+        self.node_budget = min(max(flat_len - 1, 0), most)
+        return self.node_budget
+
+    def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
+        forced = self.grammar.forced(ctx)[: self.max_forced] if self.grammar is not None else []
+        if not ctx.sampling.greedy:
+            return self._sampled(ctx, forced, k)
+        trie = TokenTrie()
+        trie.add_chain(forced)
+        if k > 0:
+            extended = ctx.tokens + forced
+            budget = len(forced) + k + self.node_budget
+            for i, cand in enumerate(self._candidates(ctx, extended, k)):
+                if self.grammar is not None and forced:
+                    cand = cand[: self.grammar.valid_prefix(forced + cand) - len(forced)]
+                elif self.grammar is not None:
+                    cand = cand[: self.grammar.valid_prefix(cand)]
+                if not cand:
+                    continue
+                if i and trie.size() + trie.new_nodes(forced + cand) > budget:
+                    break
+                trie.add_chain(forced + cand)
+        if not len(trie.tokens):
+            return DraftProposal(source=self.name)
+        parents = tuple(trie.parents) if trie.is_branching() else None
+        return DraftProposal(tokens=tuple(trie.tokens), parents=parents, source=self._source(forced),
+                             num_forced=len(forced))
+
+    def _sampled(self, ctx: DraftContext, forced: list[int], k: int) -> DraftProposal:
+        """Sampled rounds: the forced span, then ONE source, never merged or grammar-cut where it was
+        sampled — a sampled token's q must be the law it was really drawn from, and keeping or cutting a
+        sampled token by its own value would change that law. Copy drafts are deterministic given the
+        context, so cutting them to the grammar is safe."""
+        tokens, parents, probs = list(forced), list(range(-1, len(forced) - 1)), [None] * len(forced)
+        extended = ctx.tokens + forced
+        if k > 0 and self.model is not None:
+            sub = DraftContext(extended, ctx.num_prompt_tokens, ctx.sampling, ctx.generator, ctx.history,
+                               ctx.tools, ctx.tool_choice, ctx.response_format, ctx.index_key)
+            prop = self.model.propose(sub, k)
+            base = len(tokens)
+            tokens += prop.tokens
+            parents += [p + base if p >= 0 else base - 1 for p in prop.parent_list()]
+            probs += list(prop.draft_probs) if prop.draft_probs is not None else [None] * len(prop)
+        elif k > 0 and self.copy is not None:
+            found = self.copy.candidates(ctx, k, tokens=extended)
+            if found:
+                cand = found[0][1]
+                if self.grammar is not None:
+                    cand = cand[: self.grammar.valid_prefix(forced + cand) - len(forced)]
+                tokens += cand
+                parents += list(range(len(parents) - 1, len(parents) - 1 + len(cand)))
+                probs += [None] * len(cand)
+        if not tokens:
+            return DraftProposal(source=self.name)
+        tree = any(p != i - 1 for i, p in enumerate(parents))
+        return DraftProposal(tokens=tuple(tokens), parents=tuple(parents) if tree else None,
+                             draft_probs=tuple(probs) if any(q is not None for q in probs) else None,
+                             source=self._source(forced), num_forced=len(forced))
+
+    def _candidates(self, ctx: DraftContext, extended: list[int], k: int) -> list[list[int]]:
+        copies = self.copy.candidates(ctx, k, tokens=extended) if self.copy is not None else []
+        strong = [c for n, c in copies if n >= STRONG_COPY]
+        weak = [c for n, c in copies if n < STRONG_COPY]
+        model: list[list[int]] = []
+        if self.model is not None:
+            sub = DraftContext(extended, ctx.num_prompt_tokens, ctx.sampling, ctx.generator, ctx.history,
+                               ctx.tools, ctx.tool_choice, ctx.response_format, ctx.index_key)
+            model = _paths(self.model.propose(sub, k))
+        return strong + model + weak
+
+    def _source(self, forced: list[int]) -> str:
+        parts = (["grammar"] if forced else []) + [d.name for d in (self.copy, self.model) if d is not None]
+        return "+".join(parts) or self.name
+
+
+def _paths(proposal: DraftProposal) -> list[list[int]]:
+    """Root-to-leaf token paths of a proposal, chain first (greedy drafts are deterministic)."""
+    if not proposal.tokens:
+        return []
+    if not proposal.is_tree:
+        return [list(proposal.tokens)]
+    parents = proposal.parent_list()
+    children = {p for p in parents if p >= 0}
+    out = []
+    for leaf in range(len(parents)):
+        if leaf in children:
+            continue
+        path, node = [], leaf
+        while node >= 0:
+            path.append(proposal.tokens[node])
+            node = parents[node]
+        out.append(path[::-1])
+    out.sort(key=len, reverse=True)
+    return out
+
+
+def default_drafter(tokenizer: Any, model: Drafter | None = None, index: Any = None,
+                    verify_costs: Mapping[int, float] | None = None) -> TreeDrafter:
+    """agentspec's default drafting: grammar (when a tokenizer is known) + copy (+ a model drafter)."""
+    grammar = GrammarDrafter(tokenizer) if tokenizer is not None else None
+    tree = TreeDrafter(grammar=grammar, copy=CopyDrafter(index=index, max_candidates=3), model=model)
+    if verify_costs:
+        tree.set_verify_costs(verify_costs)
+    return tree
