@@ -14,13 +14,17 @@ server-ar mode), then to the fallback API model; nothing committed is lost or re
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentspec.drafters.base import DraftContext, Drafter, propose_round
+from agentspec.drafters.base import DraftContext, Drafter, propose_round, remember_output
+from agentspec.drafters.copy import CopyDrafter, SuffixIndex
+from agentspec.drafters.grammar import GrammarDrafter
+from agentspec.drafters.tree import TreeDrafter
 from agentspec.router import ModePolicy
 from agentspec.toolcalls import ToolCallParser
 from agentspec.transport import HTTPTransport, ResendPrefix, VerifierError, VerifierUnavailable
@@ -192,7 +196,8 @@ class _Run:
 
     def draft(self, k: int) -> tuple[dict[str, Any], float, str]:
         """An edge-mode draft from the local drafter: (wire draft, seconds, preview text)."""
-        drafter = self.client.drafter
+        structured = bool(self.tools) or isinstance(self.response_format, dict)
+        drafter = self.client.tool_drafter if structured and self.client.tool_drafter else self.client.drafter
         t0 = time.perf_counter()
         ctx = DraftContext(self.tokens, len(self.prompt), self.sampling, self.client._generator(self.sampling),
                            tools=self.tools, tool_choice=self.tool_choice, response_format=self.response_format)
@@ -214,14 +219,15 @@ class SpecClient:
     ``base_urls``: one or more verifiers serving the same target (the next one takes over when one fails).
     ``drafter``: a local drafter sharing the target's tokenizer (enables edge mode). ``fallback_model``:
     a litellm model id used when no verifier is reachable (its continuation comes from another model;
-    recorded in the statistics).
+    recorded in the statistics). ``log_path``: opt-in request log (chat JSONL with the answers) that
+    ``agentspec train --data LOG`` distils a drafter on — a deployment retrains on its own traffic.
     """
 
     def __init__(self, base_urls: str | Sequence[str] | None = None, *, api_key: str | None = None,
                  drafter: Drafter | None = None, tokenizer: Any = None, num_draft_tokens: int = 4,
                  mode: str = "auto", fallback_model: str | None = None, timeout: float = 60.0, retries: int = 2,
                  segment_tokens: int = 16, preview: bool = False, policy: ModePolicy | None = None,
-                 api_kwargs: dict[str, Any] | None = None) -> None:
+                 api_kwargs: dict[str, Any] | None = None, log_path: str | os.PathLike | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if num_draft_tokens < 0:
@@ -236,11 +242,17 @@ class SpecClient:
         api_key = api_key if api_key is not None else os.environ.get("AGENTSPEC_API_KEY")
         self.transports = [HTTPTransport(u, api_key=api_key, timeout=timeout, retries=retries) for u in urls]
         self.drafter, self.tokenizer, self.num_draft_tokens = drafter, tokenizer, num_draft_tokens
+        # tool-calling requests draft with grammar + copy + the given drafter, merged into one tree
+        self.tool_drafter: Drafter | None = None
+        if drafter is not None and tokenizer is not None and not isinstance(drafter, TreeDrafter):
+            self.tool_drafter = TreeDrafter(GrammarDrafter(tokenizer), CopyDrafter(SuffixIndex(), max_candidates=3),
+                                            model=drafter)
         self.mode, self.fallback_model, self.segment_tokens, self.preview = mode, fallback_model, segment_tokens, preview
         self.timeout = timeout
         self.api_kwargs = dict(api_kwargs or {})  # extra litellm arguments (api_base, mock_response in tests, ...)
         self.policy = policy or ModePolicy(has_drafter=drafter is not None, has_api=fallback_model is not None)
         self._torch_generator = None
+        self.log_path = log_path  # opt-in: one JSON line per finished request, for `agentspec train --data`
 
     # -- public API --------------------------------------------------------------------------------
 
@@ -265,7 +277,7 @@ class SpecClient:
             yield from run.close_events()
         finally:  # also when the consumer stops early: the server frees the session's KV now
             self._close_session(run)
-        yield run.final()
+        yield self._logged(run, run.final())
 
     def generate(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> FinalEvent:
         """Run :meth:`stream` to the end and return its final event."""
@@ -300,7 +312,7 @@ class SpecClient:
                 yield ev
         finally:
             await self._aclose_session(run)
-        yield run.final()
+        yield self._logged(run, run.final())
 
     async def agenerate(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> FinalEvent:
         final = None
@@ -401,6 +413,23 @@ class SpecClient:
             yield ev
 
     # -- shared ------------------------------------------------------------------------------------
+
+    def _logged(self, run: _Run, final: FinalEvent) -> FinalEvent:
+        """Append the request and its answer to ``log_path`` (when set) as chat JSONL; remember the answer
+        for cross-conversation copy drafting."""
+        if run.prompt and self.tool_drafter is not None:
+            remember_output(self.tool_drafter, DraftContext(run.tokens, len(run.prompt)))
+        if self.log_path is not None:
+            answer: dict[str, Any] = {"role": "assistant", "content": final.text}
+            if final.tool_calls:
+                answer["tool_calls"] = [{"id": c.id, "type": "function",
+                                         "function": {"name": c.name, "arguments": c.arguments}}
+                                        for c in final.tool_calls]
+            line = {"messages": [*run.messages, answer], "tools": run.tools or [],
+                    "finish_reason": final.finish_reason, "time": time.time()}
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line, ensure_ascii=False, default=str) + "\n")
+        return final
 
     def _new_run(self, messages: list[dict], tools: list[dict] | None, max_tokens: int,
                  sampling: SamplingParams | None, stop: Sequence[str], mode: str | None,

@@ -95,11 +95,12 @@ class SpecEngine:
         self.draft_policy = DraftLengthPolicy.from_calibration(curve, **policy_kwargs)
         return curve
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, **kwargs: Any) -> GenerationResult:
-        """Run :meth:`stream` to the end and collect its tokens."""
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                 stats: SpecStats | None = None, **kwargs: Any) -> GenerationResult:
+        """Run :meth:`stream` to the end and collect its tokens (``stats``: add this run's rounds there)."""
         params = params or SamplingParams()
         tokens: list[int] = []
-        stats = SpecStats()
+        stats = stats if stats is not None else SpecStats()
         finish = "length"
         for event in self.stream(prompt_ids, params, stats=stats, **kwargs):
             tokens.extend(event.tokens)

@@ -17,7 +17,6 @@ Nothing here downloads anything: models come from :func:`agentspec.models.load_m
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import os
 import platform
@@ -32,17 +31,12 @@ import torch
 
 from agentspec import models
 from agentspec.toolcalls import render_chat
+from agentspec.training.data import bfcl_data_dir, load_bfcl, normalise_schema, to_openai_tools  # noqa: F401 (re-exported)
 from agentspec.types import SpecStats
 
 TARGETS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
 BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "live_simple")
 WARMUP_PROMPT = ("simple_python", 1)  # never picked by bfcl_prompts while a category gives <= half its file
-
-# BFCL writes Python/Java type names; chat templates and JSON Schema expect these (as BFCL's own
-# OpenAI handler maps them). Only string values of a "type" key are touched, never property names.
-_SCHEMA_TYPES = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "bool": "boolean",
-                 "any": "string"}
-
 
 def log(*parts: Any) -> None:
     """Progress line on stdout, flushed so a long run can be followed (``tee``, ``tail -f``)."""
@@ -60,38 +54,6 @@ class Prompt:
     category: str
     messages: tuple[dict, ...]
     tools: tuple[dict, ...]
-
-
-def bfcl_data_dir() -> Path:
-    """The data directory inside the installed ``bfcl_eval`` wheel (``pip install --no-deps bfcl-eval``)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("bfcl_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("BFCL data needs `pip install --no-deps bfcl-eval==2026.3.23`")
-    return Path(next(iter(spec.submodule_search_locations))) / "data"
-
-
-def load_bfcl(category: str) -> list[dict]:
-    """All records of one category (a JSON-lines file ``BFCL_v4_<category>.json``)."""
-    path = bfcl_data_dir() / f"BFCL_v4_{category}.json"
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def normalise_schema(obj: Any) -> Any:
-    """Copy of a BFCL schema with ``"type": "dict"`` → ``"object"`` (and float/tuple/…), recursively."""
-    if isinstance(obj, dict):
-        return {k: (_SCHEMA_TYPES.get(v, v) if k == "type" and isinstance(v, str) else normalise_schema(v))
-                for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [normalise_schema(v) for v in obj]
-    return obj
-
-
-def to_openai_tools(functions: Iterable[dict]) -> tuple[dict, ...]:
-    """BFCL function docs → ``[{"type": "function", "function": {...}}]`` with normalised schemas."""
-    return tuple({"type": "function", "function": normalise_schema(f)} for f in functions)
 
 
 def prompt_from_record(record: dict, category: str) -> Prompt:

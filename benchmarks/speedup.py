@@ -344,13 +344,23 @@ def summarise(alias: str, dtype: str, method: str, runs: list[Run], plain: list[
     if stats:
         pooled = common.pooled_stats(stats)
         gammas = pooled.pop("gammas")
-        predicted = router.predicted_speedup(gammas, pooled["alpha"], t_ar, pooled["t_d"], ratio.__getitem__)
+        predicted = router.predicted_speedup(gammas, pooled["alpha"], t_ar, pooled["t_d"],
+                                             lambda k: _ratio_at(ratio, k))
         rec.update(mean_accepted_length=pooled["mean_accepted_length"], alpha=pooled["alpha"],
                    per_position_acceptance=pooled["per_position_acceptance"], spec_stats=pooled,
                    mean_draft_length=statistics.fmean(gammas) if gammas else 0.0,
                    predicted_speedup=predicted, achieved_over_predicted=rec["speedup_vs_plain"] / predicted,
                    after_first_over_predicted=rec["speedup_vs_plain_after_first"] / predicted)
     return rec
+
+
+def _ratio_at(ratio: dict[int, float], k: int) -> float:
+    """t_v(k)/t_v(1) from the measured curve; past its end (forced grammar runs can be long) extrapolated
+    in proportion to k from the longest measured pass."""
+    if k in ratio:
+        return ratio[k]
+    top = max(ratio)
+    return ratio[top] * k / top
 
 
 def acceptance(records: list[dict]) -> dict:

@@ -11,7 +11,9 @@ in one process, order rotated per prompt (the measurement loop of :mod:`benchmar
 * ``prompt_lookup`` — transformers' prompt lookup decoding (K=10, N=2), the outside anchor;
 * ``ngram`` — agentspec's n-gram drafter over the prompt (N=2);
 * ``grammar`` — only the tokens the tools' grammar forces (:class:`GrammarDrafter`), no model;
-* ``copy`` — suffix-match copy drafting with match-length–aware proposals (:class:`CopyDrafter`);
+* ``copy`` — suffix-match copy drafting with match-length–aware proposals (:class:`CopyDrafter`) over
+  the prompt, the answer so far and a cross-conversation index of the earlier answers of this run (the
+  prompts run in a fixed order; a deployment's index holds its earlier requests the same way);
 * ``model`` — the only same-tokenizer drafter available offline: the target's first 4 layers;
 * ``combined`` — the :class:`TreeDrafter`: grammar-forced spans + copy candidates merged into a tree,
   node budget from the measured verify-cost curve.
@@ -42,7 +44,7 @@ import torch
 
 from agentspec import models, router
 from agentspec.drafters import ModelDrafter, NgramDrafter
-from agentspec.drafters.copy import CopyDrafter
+from agentspec.drafters.copy import CopyDrafter, SuffixIndex
 from agentspec.drafters.grammar import GrammarDrafter
 from agentspec.drafters.tree import TreeDrafter
 from agentspec.engine import SpecEngine
@@ -69,13 +71,15 @@ def make_methods(prompts: list[common.Prompt]):
         tools_of = {tuple(common.render(tok, p)): [dict(t) for t in p.tools]
                     for p in [*prompts, common.warmup_prompt(prompts)]}
         k, n = args.num_draft_tokens, args.max_ngram
-        tree = TreeDrafter(GrammarDrafter(tok), CopyDrafter(max_candidates=3))
+        # copy drafting includes the cross-conversation index of past answers (this run's earlier prompts,
+        # in order, as a deployment's earlier requests): agents open and close their answers alike
+        tree = TreeDrafter(GrammarDrafter(tok), CopyDrafter(SuffixIndex(), max_candidates=3))
         budget = tree.set_verify_costs(curve)
         log(f"combined: tree node budget beyond the chain = {budget} (verify-cost curve {curve})")
         drafters = {
             "ngram": NgramDrafter(max_ngram=n, min_ngram=1),
             "grammar": GrammarDrafter(tok),
-            "copy": CopyDrafter(),
+            "copy": CopyDrafter(SuffixIndex()),
             "model": ModelDrafter(drafter),
             "combined": tree,
         }

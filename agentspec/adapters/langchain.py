@@ -193,7 +193,10 @@ class ChatAgentSpec(BaseChatModel):
                                   seed=kwargs.get("seed", self.seed))
         args = {"messages": chat, "tools": None if choice.kind == "none" else tools,
                 "max_tokens": kwargs.get("max_tokens") or self.max_tokens or 512, "sampling": sampling,
-                "stop": list(stop if stop is not None else self.stop or ()), "mode": kwargs.get("mode")}
+                "stop": list(stop if stop is not None else self.stop or ()), "mode": kwargs.get("mode"),
+                # the same wishes as grammar for the drafters: they shape drafts, never the output
+                "tool_choice": choice.openai(),
+                "response_format": rf if isinstance(rf := kwargs.get("response_format"), dict) else None}
         return args, choice
 
     def _finish(self, final: FinalEvent, choice: ToolChoice) -> ChatGenerationChunk:

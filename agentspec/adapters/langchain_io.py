@@ -102,6 +102,12 @@ class ToolChoice:
             return "Call at most one function." if self.single and self.kind == "auto" else None
         return text + (" Call exactly one function." if self.single else "")
 
+    def openai(self) -> str | dict[str, Any] | None:
+        """The choice in OpenAI's form (``None`` for auto), for the drafters' grammar."""
+        if self.kind == "named":
+            return {"type": "function", "function": {"name": self.name}}
+        return {"any": "required", "none": "none"}.get(self.kind)
+
     def check(self, calls: Sequence[ToolCallEvent], text: str) -> None:
         """Raise :class:`ToolChoiceError` when the verified calls do not satisfy this choice."""
         if self.single and len(calls) > 1:

@@ -19,6 +19,8 @@ from agentspec.drafters.base import DraftContext, register_drafter
 from agentspec.drafters.ngram import merge_into_tree
 from agentspec.types import DraftProposal
 
+LEAD = 6  # prompt tokens kept before each remembered output
+
 
 class SuffixIndex:
     """Past outputs per key (an API key, a tenant), bounded by ``max_tokens`` in total, oldest out first.
@@ -36,11 +38,14 @@ class SuffixIndex:
         self.num_tokens = 0
         self._lock = threading.Lock()
 
-    def add(self, tokens: list[int], key: str = "") -> None:
-        """Remember one output under ``key`` (outputs shorter than 2 tokens carry nothing to copy)."""
+    def add(self, tokens: list[int], key: str = "", lead: list[int] = ()) -> None:
+        """Remember one output under ``key`` (outputs shorter than 2 tokens carry nothing to copy).
+
+        ``lead``: the few prompt tokens before the output (e.g. ``<|im_start|>assistant\n``), so the next
+        answer's first tokens match too — agents open their answers the same way."""
         if len(tokens) < 2:
             return
-        arr = np.asarray(tokens[-self.max_tokens :], dtype=np.int64)
+        arr = np.asarray((list(lead) + list(tokens))[-self.max_tokens :], dtype=np.int64)
         with self._lock:
             self._items[(key, self._next)] = arr
             self._next += 1
@@ -80,7 +85,8 @@ class CopyDrafter:
     def remember(self, ctx: DraftContext) -> None:
         """Add the finished answer (``ctx.tokens`` after the prompt) to the cross-conversation index."""
         if self.index is not None:
-            self.index.add(ctx.tokens[ctx.num_prompt_tokens :], ctx.index_key)
+            start = ctx.num_prompt_tokens
+            self.index.add(ctx.tokens[start:], ctx.index_key, lead=ctx.tokens[max(start - LEAD, 0) : start])
 
     def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
         found = self.candidates(ctx, k)

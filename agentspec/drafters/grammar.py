@@ -120,10 +120,11 @@ class ToolCallGrammar:
             self.bare = many
             if tool_choice == "required" or isinstance(tool_choice, dict):
                 self.at_start = f'{_special_or_literal(tokenizer, _OPEN_TAG)} "\\n" {in_tag}'
-        rf = response_format or {}
+        rf = response_format if isinstance(response_format, dict) else {}
         schema = None
         if rf.get("type") == "json_schema":
-            schema = (rf.get("json_schema") or {}).get("schema") or {"type": "object"}
+            spec = rf.get("json_schema") if isinstance(rf.get("json_schema"), dict) else {}
+            schema = spec.get("schema") if isinstance(spec.get("schema"), dict) else {"type": "object"}
         elif rf.get("type") == "json_object":
             schema = {"type": "object"}
         if schema is not None:

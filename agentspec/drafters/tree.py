@@ -118,7 +118,9 @@ class TreeDrafter:
     def _candidates(self, ctx: DraftContext, extended: list[int], k: int) -> list[list[int]]:
         copies = self.copy.candidates(ctx, k, tokens=extended) if self.copy is not None else []
         strong = [c for n, c in copies if n >= STRONG_COPY]
-        weak = [c for n, c in copies if n < STRONG_COPY]
+        # a 1-token match is a guess (α ~0.4-0.6 measured): worth verifying only where extra tokens
+        # cost nothing, i.e. inside the flat part of the verify-cost curve
+        weak = [c for n, c in copies if n < STRONG_COPY] if self.node_budget > 0 else []
         model: list[list[int]] = []
         if self.model is not None:
             sub = DraftContext(extended, ctx.num_prompt_tokens, ctx.sampling, ctx.generator, ctx.history,

@@ -25,7 +25,7 @@ import torch
 
 from agentspec import models
 from agentspec.drafters.base import DraftContext, Drafter, observed_acceptance, propose_round
-from agentspec.drafters.copy import SuffixIndex
+from agentspec.drafters.copy import LEAD, SuffixIndex
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.tree import default_drafter
 from agentspec.protocol import (
@@ -317,7 +317,8 @@ class VerifierEngine:
         session_done = finish == "stop" or len(s.tokens) >= session_cap
         s.finished, s.finish_reason = session_done, finish if session_done else None
         if finish is not None:  # a finished answer feeds cross-conversation copy drafting (per API key)
-            self.copy_index.add(s.tokens[s.num_prompt_tokens :], s.owner)
+            start = s.num_prompt_tokens
+            self.copy_index.add(s.tokens[start:], s.owner, lead=s.tokens[max(start - LEAD, 0) : start])
         s.last_used = time.monotonic()
         self.store.update_size(s)
         if item.policy is not None:
