@@ -1,0 +1,252 @@
+"""Distillation: the target's own responses, a drafter to start from, and a resumable training loop.
+
+* :func:`target_responses` — the target answers every prompt (greedy and/or sampled), rendered with its
+  own chat template; locally through :class:`SpecEngine` (lossless, so exactly the target's output) or
+  through an agentspec-verifier. Written to JSONL as it goes; a rerun skips what is there.
+* :func:`init_drafter` — an existing same-tokenizer model, the target's first layers, or new layers with
+  the target's vocabulary (embeddings and head optionally copied from the target).
+* :func:`train` — cross-entropy on the response tokens (plus optional KL to the target), full or LoRA.
+  A checkpoint (weights, optimiser, step, losses) is written every ``checkpoint_every`` steps; a rerun
+  continues from it with the same data order, so an interrupted run ends where an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from agentspec import models
+from agentspec.engine import SpecEngine
+from agentspec.toolcalls import render_chat
+from agentspec.training.config import TrainConfig
+from agentspec.training.data import ChatExample
+from agentspec.types import SamplingParams
+
+
+@dataclass
+class Sample:
+    """One training sequence: the prompt's ids and the target's response ids (what the drafter learns)."""
+
+    id: str
+    temperature: float
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+def target_responses(target: models.LoadedModel, examples: Sequence[ChatExample], cfg: TrainConfig,
+                     path: Path, progress: Callable[[int, int], None] | None = None) -> list[Sample]:
+    """The target's responses to ``examples`` at each of ``cfg.temps``, cached in ``path`` (JSONL)."""
+    done: dict[tuple[str, float], Sample] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                done[(rec["id"], rec["temperature"])] = Sample(**rec)
+    todo = [(e, t) for e in examples for t in cfg.temps if (e.id, t) not in done]
+    generate = _via_verifier(cfg) if cfg.verifier_url else _local(target, cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        for i, (example, temperature) in enumerate(todo):
+            prompt = render_chat(target.tokenizer, list(example.messages), list(example.tools) or None)
+            seed = cfg.seed + int.from_bytes(example.id.encode()[:4].ljust(4, b"\0"), "big")
+            response = generate(example, prompt, temperature, seed)
+            sample = Sample(example.id, temperature, prompt, response)
+            done[(example.id, temperature)] = sample
+            f.write(json.dumps(sample.__dict__) + "\n")
+            f.flush()
+            if progress:
+                progress(i + 1, len(todo))
+    return [done[(e.id, t)] for e in examples for t in cfg.temps]
+
+
+def _local(target: models.LoadedModel, cfg: TrainConfig) -> Callable[..., list[int]]:
+    from agentspec.drafters.tree import default_drafter
+
+    engine = SpecEngine(target, default_drafter(target.tokenizer), num_draft_tokens=6)  # lossless, just faster
+
+    def generate(example: ChatExample, prompt: list[int], temperature: float, seed: int) -> list[int]:
+        params = SamplingParams(temperature=temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)
+        return engine.generate(prompt, params, tools=list(example.tools) or None).tokens
+    return generate
+
+
+def _via_verifier(cfg: TrainConfig) -> Callable[..., list[int]]:
+    from agentspec.client import SpecClient
+
+    client = SpecClient(cfg.verifier_url, mode="server-ar")
+
+    def generate(example: ChatExample, prompt: list[int], temperature: float, seed: int) -> list[int]:
+        final = client.generate(list(example.messages), list(example.tools) or None, max_tokens=cfg.max_new_tokens,
+                                sampling=SamplingParams(temperature=temperature, seed=seed))
+        return list(final.tokens)
+    return generate
+
+
+# -- the drafter --------------------------------------------------------------------------------------
+
+
+def init_drafter(target: models.LoadedModel, cfg: TrainConfig) -> Any:
+    """The model to train (fp32 on the target's device), sharing the target's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    if cfg.drafter:
+        model = models.load_model(cfg.drafter, device=target.device, dtype=cfg.dtype).model
+        if model.get_output_embeddings().weight.shape[0] != vocab:
+            raise ValueError(f"drafter {cfg.drafter!r} has another vocabulary than the target ({vocab} ids)")
+        return model
+    config = copy.deepcopy(target.model.config)
+    config.num_hidden_layers = cfg.init_layers
+    if hasattr(config, "layer_types") and config.layer_types:
+        config.layer_types = config.layer_types[: cfg.init_layers]
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=models.resolve_dtype(cfg.dtype))
+    source = target.model.state_dict()
+    keep = {}
+    for key, value in model.state_dict().items():
+        is_layer = ".layers." in key
+        if key in source and (cfg.init == "from-target" or (not is_layer and cfg.copy_embeddings)):
+            keep[key] = source[key].to(value.dtype)
+    model.load_state_dict(keep, strict=False)
+    return model.to(target.device)
+
+
+# -- training -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+
+
+def batches_per_epoch(num_samples: int, batch_size: int) -> int:
+    return math.ceil(num_samples / batch_size)
+
+
+def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint: Path,
+          target: Any = None, stop_after: int | None = None,
+          progress: Callable[[int, int, float], None] | None = None) -> TrainState:
+    """Train ``drafter`` in place; resumes from ``checkpoint`` when it exists. ``stop_after`` ends the run
+    after that many steps of this call (an interruption, for tests). ``target``: needed when kl_weight > 0."""
+    if not samples:
+        raise ValueError("no training samples")
+    if cfg.kl_weight > 0 and target is None:
+        raise ValueError("kl_weight > 0 needs the target model")
+    model = _trainable(drafter, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    per_epoch = batches_per_epoch(len(samples), cfg.batch_size)
+    total = per_epoch * cfg.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
+                                              * 0.5 * (1 + math.cos(math.pi * min(s / total, 1.0))))
+    state = TrainState()
+    if checkpoint.exists():
+        saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        state = TrainState(saved["step"], saved["losses"])
+    model.train()
+    device = next(model.parameters()).device
+    ran = 0
+    while state.step < total and (stop_after is None or ran < stop_after):
+        epoch, i = divmod(state.step, per_epoch)
+        order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+        batch = [samples[j] for j in order[i * cfg.batch_size : (i + 1) * cfg.batch_size]]
+        loss = _loss(model, batch, cfg, device, target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        state.step += 1
+        ran += 1
+        state.losses.append(float(loss))
+        if progress:
+            progress(state.step, total, state.losses[-1])
+        if state.step % cfg.checkpoint_every == 0 or state.step == total:
+            _save_checkpoint(checkpoint, model, opt, sched, state)
+    model.eval()
+    return state
+
+
+def _trainable(drafter: Any, cfg: TrainConfig) -> Any:
+    if cfg.lora_rank <= 0:
+        inherited = bool(cfg.drafter) or cfg.init == "from-target" or cfg.copy_embeddings
+        frozen = {id(p) for m in (drafter.get_input_embeddings(), drafter.get_output_embeddings())
+                  for p in m.parameters()} if inherited and not cfg.train_embeddings else set()
+        for p in drafter.parameters():
+            p.requires_grad_(id(p) not in frozen)
+        return drafter
+    if not hasattr(drafter, "peft_config"):
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, lora_dropout=0.0,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        drafter = get_peft_model(drafter, lora)
+    return drafter
+
+
+def _loss(model: Any, batch: list[Sample], cfg: TrainConfig, device: torch.device, target: Any) -> torch.Tensor:
+    """Mean cross-entropy over response tokens (+ kl_weight · KL(target ‖ drafter) there)."""
+    seqs, starts = [], []
+    for s in batch:
+        response = s.response_ids[: cfg.max_len - 1]
+        prompt = s.prompt_ids[-(cfg.max_len - len(response)) :]
+        seqs.append(prompt + response)
+        starts.append(len(prompt))
+    width = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for r, (seq, start) in enumerate(zip(seqs, starts, strict=True)):
+        ids[r, : len(seq)] = torch.tensor(seq)
+        mask[r, : len(seq)] = 1
+        labels[r, start : len(seq)] = torch.tensor(seq[start:])
+    ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+    targets = labels[:, 1:]
+    on = targets != -100  # logits only where a response token is predicted: the vocabulary is large
+    logits = _logits_at(model, ids, mask, on)
+    loss = F.cross_entropy(logits, targets[on])
+    if cfg.kl_weight > 0:
+        with torch.no_grad():
+            t_logits = _logits_at(target, ids, mask, on)
+        kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(t_logits, -1), log_target=True,
+                      reduction="batchmean")
+        loss = loss + cfg.kl_weight * kl
+    return loss
+
+
+def _logits_at(model: Any, ids: torch.Tensor, mask: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """fp32 next-token logits at the positions ``on`` ([batch, len - 1] booleans) only."""
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(core, core.base_model_prefix)
+    hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+    return core.get_output_embeddings()(hidden[on]).float()
+
+
+def _save_checkpoint(path: Path, model: Any, opt: Any, sched: Any, state: TrainState) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "step": state.step, "losses": state.losses}, tmp)
+    tmp.replace(path)  # atomic: an interruption never leaves a half-written checkpoint
+
+
+def save_drafter(drafter: Any, tokenizer: Any, out: Path, meta: dict[str, Any]) -> None:
+    """A standard checkpoint directory (weights, config, tokenizer) that ``load_model`` opens."""
+    model = drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "agentspec_drafter.json").write_text(json.dumps(meta, indent=1, default=str))

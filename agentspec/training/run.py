@@ -1,0 +1,139 @@
+"""``agentspec train`` end to end: data → split → the target's responses → drafter → train → evaluate → report.
+
+Everything lands in ``cfg.output``: ``responses.jsonl`` (the distillation data, reused by a rerun),
+``checkpoint.pt`` (resume point), the drafter itself (``config.json``, weights, tokenizer — it loads as
+``agentspec-verifier --draft-model DIR`` and as ``ModelDrafter(load_model(DIR))``), and
+``report.json`` / ``report.md`` with the split, the before/after table, wall time and peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentspec import models
+from agentspec.training import data, distill
+from agentspec.training.config import TrainConfig
+from agentspec.training.evaluate import evaluate
+
+
+def _say(text: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
+
+
+def _bar(label: str):
+    """A tqdm progress callback (quiet when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    bar: dict[str, Any] = {}
+
+    def update(done: int, total: int, loss: float | None = None) -> None:
+        if "b" not in bar:
+            bar["b"] = tqdm(total=total, desc=label, disable=not sys.stderr.isatty(), leave=False)
+        bar["b"].n = done
+        if loss is not None:
+            bar["b"].set_postfix(loss=f"{loss:.3f}")
+        bar["b"].refresh()
+        if done >= total:
+            bar["b"].close()
+    return update
+
+
+def run_training(cfg: TrainConfig, target: models.LoadedModel | None = None, stop_after: int | None = None
+                 ) -> dict[str, Any]:
+    """Run (or resume) a training job; returns the report. ``target`` skips loading it (tests)."""
+    t0 = time.perf_counter()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    examples = data.load_examples(cfg.data)
+    train_ex, held_ex = data.split(examples, cfg.split, cfg.heldout_fraction, cfg.heldout_categories.split(","))
+    train_ex = data.spread(train_ex, cfg.max_train_prompts)
+    held_ex = data.spread(held_ex, cfg.max_heldout_prompts)
+    _say(f"{len(train_ex)} training prompts, {len(held_ex)} held out (split by {cfg.split})")
+    if target is None:
+        _say(f"loading target {cfg.target} ({cfg.dtype})")
+        target = models.load_model(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    t_data = time.perf_counter()
+    samples = distill.target_responses(target, train_ex, cfg, out / "responses.jsonl", _bar("target responses"))
+    data_s = time.perf_counter() - t_data
+    drafter = distill.init_drafter(target, cfg)
+    report: dict[str, Any] = {"config": cfg.to_dict(), "train_ids": [e.id for e in train_ex],
+                              "heldout_ids": [e.id for e in held_ex], "samples": len(samples),
+                              "response_tokens": sum(len(s.response_ids) for s in samples),
+                              "drafter_params": sum(p.numel() for p in drafter.parameters())}
+    checkpoint = out / "checkpoint.pt"
+    eval_target = None
+    if cfg.eval_before and not checkpoint.exists() and stop_after is None:
+        eval_target = _eval_target(target, cfg)
+        _say("evaluating the untrained drafter on held-out prompts")
+        report["before"] = evaluate(eval_target, _as(drafter, eval_target), held_ex, cfg.ks, cfg.max_new_tokens, _say)
+    t_train = time.perf_counter()
+    state = distill.train(drafter, samples, cfg, checkpoint, target.model if cfg.kl_weight > 0 else None,
+                          stop_after, _bar("training"))
+    report.update(train_steps=state.step, final_loss=state.losses[-1] if state.losses else None,
+                  losses=state.losses, train_s=time.perf_counter() - t_train, responses_s=data_s)
+    total = distill.batches_per_epoch(len(samples), cfg.batch_size) * cfg.epochs
+    if state.step < total:
+        _say(f"stopped at step {state.step}/{total}; rerun the same command to resume")
+        report["finished"] = False
+        return report
+    distill.save_drafter(drafter, target.tokenizer, out, {"target": cfg.target, "steps": state.step})
+    drafter = models.load_model(str(out), device=target.device, dtype="float32").model  # what users will load
+    eval_target = eval_target or _eval_target(target, cfg)
+    _say("evaluating the trained drafter on held-out prompts")
+    report["after"] = evaluate(eval_target, _as(drafter, eval_target), held_ex, cfg.ks, cfg.max_new_tokens, _say)
+    report.update(finished=True, wall_s=time.perf_counter() - t0,
+                  peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(report_markdown(report))
+    _say(f"wrote {out}/report.md")
+    return report
+
+
+def _eval_target(target: models.LoadedModel, cfg: TrainConfig) -> models.LoadedModel:
+    """The target in the evaluation dtype (a converted copy when it differs from the training dtype)."""
+    dtype = models.resolve_dtype(cfg.eval_dtype, target.device)
+    if dtype == target.dtype:
+        return target
+    import copy
+
+    model = copy.deepcopy(target.model).to(dtype)
+    return models.LoadedModel(model, target.tokenizer, target.name, target.device, dtype)
+
+
+def _as(drafter: Any, target: models.LoadedModel) -> Any:
+    """The drafter in the target's dtype (a copy: training continues on the original)."""
+    import copy
+
+    base = drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter
+    return copy.deepcopy(base).to(target.dtype).eval()
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    """The before/after table of a finished run."""
+    lines = ["# agentspec train report", "",
+             f"target `{report['config']['target']}`, {len(report['train_ids'])} training prompts "
+             f"({report['samples']} responses, {report['response_tokens']} tokens), "
+             f"{len(report['heldout_ids'])} held out; {report['train_steps']} steps, final loss "
+             f"{report['final_loss']:.3f}, training {report['train_s'] / 60:.1f} min, wall {report['wall_s'] / 60:.1f} "
+             f"min, peak RSS {report['peak_rss_mib']:.0f} MiB", "",
+             "| k | MAL before | MAL after | α before | α after | draft ms/tok after | speed-up before | "
+             "speed-up after (pred.) | identical |", "|---|---|---|---|---|---|---|---|---|"]
+    before = report.get("before", {}).get("by_k", {})
+    for k, a in report["after"]["by_k"].items():
+        b = before.get(k, {})
+        lines.append(f"| {k} | {b.get('mean_accepted_length', float('nan')):.2f} | {a['mean_accepted_length']:.2f} "
+                     f"| {b.get('alpha', float('nan')):.3f} | {a['alpha']:.3f} | {a['draft_ms_per_token']:.1f} | "
+                     f"{b.get('measured_speedup', float('nan')):.2f} | {a['measured_speedup']:.2f} "
+                     f"({a['predicted_speedup']:.2f}) | {a['identical_to_plain']} |")
+    lines += ["", "Held-out ids: " + ", ".join(report["heldout_ids"]), ""]
+    return "\n".join(lines)

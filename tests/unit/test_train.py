@@ -1,0 +1,84 @@
+"""``agentspec train`` on tiny models: data loading and splits, resumable training, and an output
+directory that loads as the server's ``--draft-model`` and as the client's edge drafter (lossless)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentspec.cli import build_parser
+from agentspec.training import data
+from agentspec.training.config import TrainConfig
+from agentspec.training.run import run_training
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]
+
+
+def write_jsonl(path, n: int = 12) -> None:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"q{i}", "category": "odd" if i % 2 else "even",
+                                "messages": [{"role": "user", "content": f"look up item {i} please"}],
+                                "tools": TOOLS}) + "\n")
+
+
+def config(tmp_path, out: str, **kw) -> TrainConfig:
+    path = tmp_path / "prompts.jsonl"
+    if not path.exists():
+        write_jsonl(path)
+    base = dict(target="tiny", output=str(tmp_path / out), data=str(path), heldout_fraction=0.3, init_layers=1,
+                epochs=2, batch_size=4, lr=3e-3, warmup_steps=1, max_new_tokens=8, eval_ks="2", eval_before=False,
+                eval_dtype="float32", checkpoint_every=1, max_len=64)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_config_validates_and_cli_builds_it(tmp_path):
+    with pytest.raises(ValueError):
+        TrainConfig(init="magic")
+    with pytest.raises(ValueError):
+        TrainConfig(eval_ks="0")
+    (tmp_path / "c.json").write_text(json.dumps({"epochs": 5, "lora_rank": 4}))
+    cfg = TrainConfig.from_file(tmp_path / "c.json", epochs=7)
+    assert (cfg.epochs, cfg.lora_rank) == (7, 4)
+    (tmp_path / "bad.json").write_text(json.dumps({"epochz": 5}))
+    with pytest.raises(ValueError, match="epochz"):
+        TrainConfig.from_file(tmp_path / "bad.json")
+    args = build_parser().parse_args(["train", "--target", "t", "--epochs", "2", "--eval-before", "false"])
+    assert (args.target, args.epochs, args.eval_before, args.lr) == ("t", 2, False, None)
+
+
+def test_jsonl_and_splits(tmp_path):
+    path = tmp_path / "p.jsonl"
+    write_jsonl(path)
+    examples = data.load_examples(str(path))
+    assert len(examples) == 12 and examples[0].tools[0]["function"]["name"] == "lookup"
+    train, held = data.split(examples, "id", 0.3)
+    assert {e.id for e in train}.isdisjoint({e.id for e in held}) and len(train) + len(held) == 12
+    assert data.split(examples, "id", 0.3) == (train, held)  # stable
+    train, held = data.split(examples, "category", heldout_categories=["odd"])
+    assert {e.category for e in held} == {"odd"} and {e.category for e in train} == {"even"}
+    (tmp_path / "bad.jsonl").write_text('{"messages": []}\n')
+    with pytest.raises(ValueError, match="messages"):
+        data.load_examples(str(tmp_path / "bad.jsonl"))
+    # a logged request with its answer: the answer is not part of the prompt
+    (tmp_path / "log.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    assert [m["role"] for m in data.load_examples(str(tmp_path / "log.jsonl"))[0].messages] == ["user"]
+
+
+def test_interrupted_training_resumes_to_the_same_loss(tmp_path, target):
+    full = run_training(config(tmp_path, "full", epochs=4), target=target)
+    assert full["finished"] and full["train_steps"] == len(full["losses"])
+    per_epoch = full["train_steps"] // 4
+    first, last = full["losses"][:per_epoch], full["losses"][-per_epoch:]
+    assert sum(last) / per_epoch < 0.8 * sum(first) / per_epoch  # it learns the target's responses
+    part = run_training(config(tmp_path, "resumed", epochs=4), target=target, stop_after=2)
+    assert not part["finished"] and part["train_steps"] == 2
+    resumed = run_training(config(tmp_path, "resumed", epochs=4), target=target)
+    assert resumed["finished"] and resumed["train_steps"] == full["train_steps"]
+    assert resumed["final_loss"] == pytest.approx(full["final_loss"], rel=1e-4, abs=1e-5)
+    assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-4, abs=1e-5)
+    assert set(full["train_ids"]).isdisjoint(full["heldout_ids"])
+    assert full["after"]["by_k"][2]["identical_to_plain"]
