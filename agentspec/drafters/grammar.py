@@ -171,13 +171,19 @@ class GrammarDrafter:
         self._matcher: Any = None
         self._grammar: ToolCallGrammar | None = None
         self._key: str | None = None
+        self._structure: tuple[Any, Any, Any] = (None, None, None)
         self.left_grammar = 0  # times the committed tokens left an engaged grammar (for statistics)
 
     # -- following the committed tokens -------------------------------------------------------------
 
     def sync(self, ctx: DraftContext) -> bool:
         """Follow ``ctx.tokens``; True when a grammar is engaged at the end of them."""
-        key = json.dumps([ctx.tools, ctx.tool_choice, ctx.response_format], sort_keys=True, default=str)
+        structure = (ctx.tools, ctx.tool_choice, ctx.response_format)
+        if self._key is None or any(x is not y for x, y in zip(structure, self._structure, strict=True)):
+            self._structure = structure  # the same request objects every round: serialise only on change
+            key = json.dumps(list(structure), sort_keys=True, default=str)
+        else:
+            key = self._key
         common = common_prefix(self._seen, ctx.tokens)
         if key != self._key or common < len(self._seen) or common < ctx.num_prompt_tokens:
             self._key, self._grammar = key, self._grammar_for(key, ctx)

@@ -12,6 +12,7 @@ branches are added only while a pass of that many tokens costs about what one to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,8 +93,7 @@ class TreeDrafter:
         tokens, parents, probs = list(forced), list(range(-1, len(forced) - 1)), [None] * len(forced)
         extended = ctx.tokens + forced
         if k > 0 and self.model is not None:
-            sub = DraftContext(extended, ctx.num_prompt_tokens, ctx.sampling, ctx.generator, ctx.history,
-                               ctx.tools, ctx.tool_choice, ctx.response_format, ctx.index_key)
+            sub = dataclasses.replace(ctx, tokens=extended)
             prop = self.model.propose(sub, k)
             base = len(tokens)
             tokens += prop.tokens
@@ -123,8 +123,7 @@ class TreeDrafter:
         weak = [c for n, c in copies if n < STRONG_COPY] if self.node_budget > 0 else []
         model: list[list[int]] = []
         if self.model is not None:
-            sub = DraftContext(extended, ctx.num_prompt_tokens, ctx.sampling, ctx.generator, ctx.history,
-                               ctx.tools, ctx.tool_choice, ctx.response_format, ctx.index_key)
+            sub = dataclasses.replace(ctx, tokens=extended)
             model = _paths(self.model.propose(sub, k))
         return strong + model + weak
 

@@ -3,8 +3,6 @@ target follows the grammar, leaves it, or never enters it."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,13 +10,14 @@ from hypothesis import strategies as st
 from agentspec.drafters.base import DraftContext, make_drafter
 from agentspec.drafters.copy import CopyDrafter, SuffixIndex
 from agentspec.drafters.grammar import GrammarDrafter
-from agentspec.drafters.tree import TreeDrafter, default_drafter
+from agentspec.drafters.tree import TreeDrafter, _paths, default_drafter
 from agentspec.engine import SpecEngine
 from agentspec.models import LoadedModel
 from agentspec.router import DraftLengthPolicy
 from agentspec.toolcalls import IncrementalDecoder, ToolCallParser
 from agentspec.types import DraftProposal, SamplingParams
 from tests.helpers import make_prompt, plain_greedy, tiny_model
+from tests.unit.test_toolcalls import text_and_calls
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -163,18 +162,6 @@ def test_tree_merges_forced_span_and_candidates_under_the_budget(tok):
         DraftProposal(tokens=(1, 2), num_forced=3)
 
 
-def _paths(p: DraftProposal) -> list[list[int]]:
-    parents = p.parent_list()
-    out = []
-    for leaf in set(range(len(parents))) - set(parents):
-        path, node = [], leaf
-        while node >= 0:
-            path.append(p.tokens[node])
-            node = parents[node]
-        out.append(path[::-1])
-    return out
-
-
 @pytest.mark.parametrize("tool_choice", ["auto", "required"])
 def test_tree_drafting_is_lossless_when_the_target_ignores_the_grammar(target, tool_choice):
     """A random target never writes the call the grammar expects: required drafts `<tool_call>…` at the
@@ -222,17 +209,11 @@ TOKEN_TEXTS = [
 
 
 def _decode_parse(token_ids: list[int], cuts: list[int]) -> tuple[str, list[tuple[str, dict]]]:
-    dec, parser, text, calls = IncrementalDecoder(BYTE_TOK), ToolCallParser(), "", []
+    dec, parser, events = IncrementalDecoder(BYTE_TOK), ToolCallParser(), []
     points = sorted({c % (len(token_ids) + 1) for c in cuts} | {0, len(token_ids)})
-    events = []
     for a, b in zip(points, points[1:], strict=False):
         events += parser.feed(dec.add(token_ids[a:b]))
-    events += parser.finish()
-    for ev in events:
-        text += ev.text
-        if ev.call:
-            calls.append((ev.call.name, json.loads(ev.call.arguments)))
-    return text, calls
+    return text_and_calls(events + parser.finish())
 
 
 @settings(max_examples=150, deadline=None)

@@ -20,19 +20,18 @@ TEXTS = [
 ]
 
 
+def text_and_calls(events) -> tuple[str, list[tuple[str, dict]]]:
+    """The parser's events as (all text, [(name, arguments object), ...])."""
+    calls = [(ev.call.name, json.loads(ev.call.arguments)) for ev in events if ev.call]
+    return "".join(ev.text for ev in events), calls
+
+
 def run(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, dict]]]:
-    parser, out, calls = ToolCallParser(), "", []
+    parser, events = ToolCallParser(), []
     points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
     for a, b in zip(points, points[1:], strict=False):
-        for ev in parser.feed(text[a:b]):
-            out += ev.text
-            if ev.call:
-                calls.append((ev.call.name, json.loads(ev.call.arguments)))
-    for ev in parser.finish():
-        out += ev.text
-        if ev.call:
-            calls.append((ev.call.name, json.loads(ev.call.arguments)))
-    return out, calls
+        events += parser.feed(text[a:b])
+    return text_and_calls(events + parser.finish())
 
 
 @settings(max_examples=200, deadline=None)
