@@ -100,7 +100,7 @@ def init_drafter(target: models.LoadedModel, cfg: TrainConfig) -> Any:
 
     vocab = target.model.get_output_embeddings().weight.shape[0]
     if cfg.drafter:
-        model = models.load_model(cfg.drafter, device=target.device, dtype=cfg.dtype).model
+        model = models.load_model(cfg.drafter, device=target.device, dtype=cfg.dtype, pack_linears=False).model
         if model.get_output_embeddings().weight.shape[0] != vocab:
             raise ValueError(f"drafter {cfg.drafter!r} has another vocabulary than the target ({vocab} ids)")
         return model

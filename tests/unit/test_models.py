@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from agentspec import models
 from agentspec.models import ModelLoadError, resolve_device, resolve_dtype
-from tests.helpers import tiny_model
+from tests.helpers import make_prompt, plain_greedy, tiny_model
 
 
 def test_auto_device_order(monkeypatch):
@@ -48,11 +50,55 @@ def test_load_from_directory_roundtrip(tmp_path):
     lm = tiny_model(seed=3)
     lm.model.save_pretrained(tmp_path)
     lm.tokenizer.save_pretrained(tmp_path)
-    loaded = models.load_model(str(tmp_path), device="cpu", dtype="float32")
+    loaded = models.load_model(str(tmp_path), device="cpu", dtype="float32", pack_linears=False)
+    packed = models.load_model(str(tmp_path), device="cpu", dtype="float32")  # CPU default: oneDNN-packed
+    assert not models.is_packed(loaded.model) and models.is_packed(packed.model)
     ids = torch.tensor([[5, 6, 7]])
     with torch.inference_mode():
-        assert torch.equal(loaded.model(ids).logits, lm.model.cpu()(ids).logits)
+        expected = lm.model.cpu()(ids).logits
+        assert torch.equal(loaded.model(ids).logits, expected)
+        torch.testing.assert_close(packed.model(ids).logits, expected, rtol=0, atol=1e-4)
     assert loaded.eos_token_ids == (1,)
+
+
+def test_packed_linears_keep_the_weights_and_are_batch_invariant():
+    lm = tiny_model(seed=4)
+    packed = copy.deepcopy(lm.model)
+    linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert models.pack_cpu_linears(packed) == len(linears) == 2 * 7 + 1
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    expected, got = lm.model.state_dict(), packed.state_dict()
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    up = packed.model.layers[0].mlp.up_proj
+    x = torch.randn(9, up.in_features)
+    with torch.inference_mode():
+        rows = torch.cat([up(x[i : i + 1]) for i in range(9)])
+        assert torch.equal(up(x), rows)  # a row's result does not depend on how many rows share the call
+        torch.testing.assert_close(up(x), lm.model.model.layers[0].mlp.up_proj(x), rtol=0, atol=1e-5)
+        clone = copy.deepcopy(packed)
+        ids = torch.tensor([[5, 6, 7, 8]])
+        assert torch.equal(clone(ids).logits, packed(ids).logits)
+    fresh = tiny_model(seed=9)  # loading a state dict into a packed model repacks the weights
+    models.pack_cpu_linears(fresh.model)
+    fresh.model.load_state_dict(lm.model.state_dict())
+    assert torch.equal(fresh.model.lm_head.weight, lm.model.lm_head.weight)
+
+
+def test_speculation_on_a_packed_target_is_lossless():
+    from agentspec.drafters import ModelDrafter, NgramDrafter
+    from agentspec.engine import SpecEngine
+    from agentspec.types import SamplingParams
+
+    lm = tiny_model(seed=5, layers=3)
+    models.pack_cpu_linears(lm.model)
+    drafter = models.layer_skip_drafter(lm, 1)
+    assert models.is_packed(drafter.model)
+    for seed in range(3):
+        prompt = make_prompt(seed)
+        reference = plain_greedy(lm, prompt, 40)
+        for d in (ModelDrafter(drafter), NgramDrafter()):
+            out = SpecEngine(lm, d, num_draft_tokens=5).generate(prompt, SamplingParams(max_new_tokens=40))
+            assert out.tokens == reference
 
 
 def test_missing_sources_raise_clear_errors(tmp_path):
