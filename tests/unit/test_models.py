@@ -84,6 +84,22 @@ def test_packed_linears_keep_the_weights_and_are_batch_invariant():
     assert torch.equal(fresh.model.lm_head.weight, lm.model.lm_head.weight)
 
 
+def test_half_precision_linears_pack_as_an_fp32_upcast_where_the_cpu_lacks_kernels():
+    lin = torch.nn.Linear(64, 96, dtype=torch.bfloat16)
+    packed = models.PackedLinear(lin)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = packed(x)
+        assert out.dtype == torch.bfloat16 and torch.equal(packed.weight, lin.weight)
+        exact = (x.float() @ lin.weight.float().T + lin.bias.float()).to(torch.bfloat16)  # fp32 accumulation
+        torch.testing.assert_close(out, exact, rtol=0, atol=0.05)
+        if packed.dense is not None:  # AVX2: one row keeps the native bf16 GEMV, several rows the packed upcast
+            assert torch.equal(packed(x[:1]), lin(x[:1]))
+            assert torch.equal(out, torch.cat([packed(x[:2]), packed(x[2:])]))  # batch-invariant past one row
+    clone = copy.deepcopy(packed)
+    assert torch.equal(clone.weight, lin.weight) and clone.dtype == torch.bfloat16
+
+
 def test_speculation_on_a_packed_target_is_lossless():
     from agentspec.drafters import ModelDrafter, NgramDrafter
     from agentspec.engine import SpecEngine
