@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from agentspec.models import LoadedModel
 from tests.helpers import tiny_model
+
+# litellm fetches its model cost map from GitHub on import unless told to use the bundled copy: no test
+# reaches the network (langchain-litellm imports litellm before agentspec's provider could set this).
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 @pytest.fixture(scope="session")

@@ -252,6 +252,23 @@ def test_agent_stream_shows_only_verified_tokens(agent_server, agent_target, wro
                for m in answers) > 0  # drafts were rejected: there was something to roll back
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_agent_through_chat_litellm(agent_server, streaming):
+    """The same agent with langchain-litellm's ``ChatLiteLLM("agentspec/…")``: agentspec's litellm provider
+    behind LangChain's own litellm chat model; the transcript is the memorised one, step for step."""
+    from langchain.agents import create_agent
+    from langchain_litellm import ChatLiteLLM
+
+    from agentspec.adapters.litellm import register
+
+    register()
+    model = ChatLiteLLM(model="agentspec/tiny", api_base=agent_server.url, max_tokens=96, temperature=0,
+                        streaming=streaming)
+    result = create_agent(model, [add]).invoke({"messages": [ASK]})
+    _check_transcript(result["messages"])
+    assert all(m.usage_metadata["output_tokens"] > 0 for m in result["messages"] if isinstance(m, AIMessage))
+
+
 def test_tool_choice_through_the_verifier(agent_server):
     model = ChatAgentSpec(model="tiny", base_url=agent_server.url, mode="server", max_tokens=96)
     none = model.bind_tools([add], tool_choice="none").invoke([ASK])
