@@ -112,8 +112,8 @@ class _Run:
 
     def __init__(self, client: SpecClient, messages: list[dict], tools: list[dict] | None, max_tokens: int,
                  sampling: SamplingParams, stop: Sequence[str], mode: str, tool_choice: Any = None,
-                 response_format: dict[str, Any] | None = None) -> None:
-        self.client, self.messages, self.tools = client, messages, tools
+                 response_format: dict[str, Any] | None = None, model: str | None = None) -> None:
+        self.client, self.messages, self.tools, self.model = client, messages, tools, model
         self.tool_choice, self.response_format = tool_choice, response_format
         self.max_tokens, self.sampling, self.stop, self.mode = max_tokens, sampling, list(stop), mode
         self.prompt: list[int] = []
@@ -132,7 +132,7 @@ class _Run:
 
     def open_body(self) -> dict[str, Any]:
         left = self.max_tokens - self.generated
-        structure = {"tool_choice": self.tool_choice, "response_format": self.response_format}
+        structure = {"tool_choice": self.tool_choice, "response_format": self.response_format, "model": self.model}
         if self.sid is None and not self.prompt:
             return {"messages": self.messages, "tools": self.tools, "max_new_tokens": left, **structure}
         # resend the committed prefix (tools again: they shape the server's grammar drafts)
@@ -258,10 +258,10 @@ class SpecClient:
 
     def stream(self, messages: list[dict], tools: list[dict] | None = None, *, max_tokens: int = 256,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None,
-               tool_choice: str | dict[str, Any] | None = None, response_format: dict[str, Any] | None = None
-               ) -> Iterator[TextEvent | PreviewEvent | ToolCallEvent | FinalEvent]:
+               tool_choice: str | dict[str, Any] | None = None, response_format: dict[str, Any] | None = None,
+               model: str | None = None) -> Iterator[TextEvent | PreviewEvent | ToolCallEvent | FinalEvent]:
         """Yield verified events for one chat turn; the last event is a :class:`FinalEvent`."""
-        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode, tool_choice, response_format)
+        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode, tool_choice, response_format, model)
         try:
             while run.finish is None and run.generated < run.max_tokens:
                 seg_mode = self._pick_mode(run)
@@ -289,10 +289,10 @@ class SpecClient:
 
     async def astream(self, messages: list[dict], tools: list[dict] | None = None, *, max_tokens: int = 256,
                       sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None,
-               tool_choice: str | dict[str, Any] | None = None, response_format: dict[str, Any] | None = None
-                      ) -> AsyncIterator[TextEvent | PreviewEvent | ToolCallEvent | FinalEvent]:
+               tool_choice: str | dict[str, Any] | None = None, response_format: dict[str, Any] | None = None,
+                      model: str | None = None) -> AsyncIterator[TextEvent | PreviewEvent | ToolCallEvent | FinalEvent]:
         """The async twin of :meth:`stream` (native httpx.AsyncClient; never blocks the event loop on I/O)."""
-        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode, tool_choice, response_format)
+        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode, tool_choice, response_format, model)
         try:
             while run.finish is None and run.generated < run.max_tokens:
                 seg_mode = self._pick_mode(run)
@@ -433,7 +433,8 @@ class SpecClient:
 
     def _new_run(self, messages: list[dict], tools: list[dict] | None, max_tokens: int,
                  sampling: SamplingParams | None, stop: Sequence[str], mode: str | None,
-                 tool_choice: Any = None, response_format: dict[str, Any] | None = None) -> _Run:
+                 tool_choice: Any = None, response_format: dict[str, Any] | None = None,
+                 model: str | None = None) -> _Run:
         if not messages:
             raise ValueError("messages must not be empty")
         if max_tokens < 1:
@@ -446,7 +447,7 @@ class SpecClient:
         if isinstance(stop, str):
             stop = [stop]
         run = _Run(self, list(messages), tools, max_tokens, sampling or SamplingParams(), stop, mode, tool_choice,
-                   response_format)
+                   response_format, model)
         if not self.transports:
             run.mode = "api"
         return run

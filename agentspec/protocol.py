@@ -137,6 +137,7 @@ class OpenSession(_Strict):
     add_generation_prompt: bool = True
     max_new_tokens: int | None = Field(None, ge=1)
     stop_token_ids: list[TokenId] | None = None
+    model: str | None = None  # one of the server's served names (checked by the server); echoed back
     protocol_version: int = PROTOCOL_VERSION
 
     @model_validator(mode="after")

@@ -179,9 +179,9 @@ class ChatAgentSpec(BaseChatModel):
         if unknown:
             raise TypeError(f"ChatAgentSpec got unsupported call arguments {sorted(unknown)}; "
                             f"supported: {sorted(_CALL_KWARGS)}")
-        if kwargs.get("model") not in (None, self.model_name):
-            raise ValueError(f"this ChatAgentSpec serves {self.model_name!r}, not {kwargs['model']!r}; "
-                             "create another ChatAgentSpec for another verifier")
+        model = kwargs.get("model")
+        if model is not None and not (isinstance(model, str) and model):
+            raise ValueError(f"model must be a non-empty string (a name the verifier serves), got {model!r}")
         tools = kwargs.get("tools") or None
         choice = parse_tool_choice(kwargs.get("tool_choice"), tools, kwargs.get("parallel_tool_calls"))
         chat = to_chat_messages(messages, dict_arguments=False)  # render_chat parses them for templates
@@ -196,12 +196,13 @@ class ChatAgentSpec(BaseChatModel):
                 "stop": list(stop if stop is not None else self.stop or ()), "mode": kwargs.get("mode"),
                 # the same wishes as grammar for the drafters: they shape drafts, never the output
                 "tool_choice": choice.openai(),
-                "response_format": rf if isinstance(rf := kwargs.get("response_format"), dict) else None}
+                "response_format": rf if isinstance(rf := kwargs.get("response_format"), dict) else None,
+                "model": model}  # a per-call override: the verifier checks it is one of its served names
         return args, choice
 
-    def _finish(self, final: FinalEvent, choice: ToolChoice) -> ChatGenerationChunk:
+    def _finish(self, final: FinalEvent, choice: ToolChoice, model: str | None) -> ChatGenerationChunk:
         choice.check(final.tool_calls, final.text)
-        return final_chunk(final, self.model_name)
+        return final_chunk(final, model or self.model_name)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -215,7 +216,7 @@ class ChatAgentSpec(BaseChatModel):
                     _reraise(e)
                 if event is None:
                     return
-                chunk = self._chunk(event, choice)
+                chunk = self._chunk(event, choice, args["model"])
                 if chunk is not None:
                     if run_manager:
                         run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -223,8 +224,8 @@ class ChatAgentSpec(BaseChatModel):
         finally:
             events.close()  # a consumer that stops early ends the HTTP stream now, not at garbage collection
 
-    def _chunk(self, event: Any, choice: ToolChoice) -> ChatGenerationChunk | None:
-        return self._finish(event, choice) if isinstance(event, FinalEvent) else event_chunk(event)
+    def _chunk(self, event: Any, choice: ToolChoice, model: str | None) -> ChatGenerationChunk | None:
+        return self._finish(event, choice, model) if isinstance(event, FinalEvent) else event_chunk(event)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
@@ -239,7 +240,7 @@ class ChatAgentSpec(BaseChatModel):
                     _reraise(e)
                 if event is None:
                     return
-                chunk = self._chunk(event, choice)
+                chunk = self._chunk(event, choice, args["model"])
                 if chunk is not None:
                     if run_manager:
                         await run_manager.on_llm_new_token(chunk.text, chunk=chunk)

@@ -92,6 +92,12 @@ def create_app(engine: VerifierEngine) -> FastAPI:
             raise ProtocolError("the model is still loading; retry when /health says ok", code="not_ready",
                                 status=503)
 
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in config.served_names:
+            raise ProtocolError(f"model {name!r} is not served here; this server serves "
+                                f"{', '.join(map(repr, config.served_names))}", param="model",
+                                code="model_not_found", status=404)
+
     # -- errors ------------------------------------------------------------------------------------
 
     @app.exception_handler(ProtocolError)
@@ -137,8 +143,8 @@ def create_app(engine: VerifierEngine) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
         owner_of(request)
-        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "agentspec", "max_model_len": config.max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "agentspec",
+                                            "max_model_len": config.max_model_len} for name in config.served_names]}
 
     # -- speculation API ---------------------------------------------------------------------------
 
@@ -147,6 +153,7 @@ def create_app(engine: VerifierEngine) -> FastAPI:
         owner = owner_of(request)
         require_ready()
         req = await parse(request, OpenSession)
+        check_model(req.model)
         info = await timed(engine.open_session(req, owner), "open_session")
         return info.model_dump()
 
@@ -199,9 +206,7 @@ def create_app(engine: VerifierEngine) -> FastAPI:
         owner = owner_of(request)
         require_ready()
         req = await parse(request, ChatRequest)
-        if req.model is not None and req.model != config.served_model_name:
-            raise ProtocolError(f"model {req.model!r} is not served here; this server serves "
-                                f"{config.served_model_name!r}", param="model", code="model_not_found", status=404)
+        check_model(req.model)
         if not req.stream:
             return await timed(chat_completion(engine, req, owner), "chat_completions")
         chunks = stream_chunks(engine, req, owner)

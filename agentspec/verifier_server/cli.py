@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=int(_env("port", 8000)))
     p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; env AGENTSPEC_API_KEY)")
-    p.add_argument("--served-model-name", default=_env("served_model_name", None))
+    p.add_argument("--served-model-name", nargs="+", default=_env("served_model_name", None),
+                   help="the name(s) requests use for this target; the first is reported, the others are aliases")
     p.add_argument("--dtype", default=_env("dtype", "auto"), choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--device", default=_env("device", "auto"), choices=["auto", "cuda", "mps", "cpu"])
     p.add_argument("--max-sessions", type=_positive(int), default=int(_env("max_sessions", 64)))
@@ -97,7 +98,9 @@ def parse_args(argv: list[str] | None = None) -> Args:
     if not model:
         parser.error("MODEL is required (positional, --model or AGENTSPEC_MODEL)")
     keys = a.api_key or [k for k in str(_env("api_key", "")).split(",") if k]
-    config = ServerConfig(served_model_name=a.served_model_name or model, max_sessions=a.max_sessions,
+    names = a.served_model_name.split() if isinstance(a.served_model_name, str) else list(a.served_model_name or [])
+    config = ServerConfig(served_model_name=names[0] if names else model, model_aliases=tuple(names[1:]),
+                          max_sessions=a.max_sessions,
                           kv_cache_memory=a.kv_cache_memory, max_model_len=a.max_model_len,
                           max_draft_tokens=a.max_draft_tokens, max_batch_size=a.max_batch_size,
                           batch_window_s=max(a.batch_window_ms, 0.0) / 1e3, api_keys=tuple(keys),

@@ -54,6 +54,7 @@ class ServerConfig:
     """Limits and knobs of one verifier (the CLI's flags)."""
 
     served_model_name: str = "agentspec"
+    model_aliases: tuple[str, ...] = ()  # more names requests may use for the same target (vLLM-style)
     max_sessions: int = 64
     kv_cache_memory: int = 2 * 1024**3
     max_model_len: int = 8192
@@ -65,6 +66,11 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024**2
     prefill_chunk_tokens: int = 512  # long prompts are prefilled in chunks: bounded activation memory
     request_timeout_s: float = 600.0
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name this verifier answers to: the served model name first, then its aliases."""
+        return (self.served_model_name, *self.model_aliases)
 
 
 @dataclass
@@ -163,7 +169,7 @@ class VerifierEngine:
         return SessionInfo(session_id=session.id, prompt_ids=ids, committed_len=len(session.tokens),
                            reused_tokens=reused, prefill_ms=(time.perf_counter() - t0) * 1e3,
                            vocab_size=self.vocab_size, max_draft_tokens=self.config.max_draft_tokens,
-                           model=self.config.served_model_name, load=self.load())
+                           model=req.model or self.config.served_model_name, load=self.load())
 
     def _create_and_prefill(self, owner: str, ids: list[int], max_new: int, stops: frozenset[int]
                             ) -> tuple[Session, int]:

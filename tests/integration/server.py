@@ -66,5 +66,8 @@ def edge_generate(client: httpx.Client, prompt: list[int], drafter: Drafter | No
             return EdgeResult(tokens[len(prompt) :], reply["finish_reason"], rounds)
 
 
+ALIAS = "agentspec-alias"  # a second name every test server answers to (per-call model override)
+
+
 def config(**kw: Any) -> ServerConfig:
-    return replace(ServerConfig(served_model_name="tiny"), **kw)
+    return replace(ServerConfig(served_model_name="tiny", model_aliases=(ALIAS,)), **kw)

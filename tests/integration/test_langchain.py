@@ -27,7 +27,7 @@ from agentspec.toolcalls import render_chat
 from agentspec.transport import VerifierUnavailable
 from tests.helpers import EOS, plain_greedy, tiny_model
 from tests.integration.conftest import capable_llm_enabled
-from tests.integration.server import LoopbackServer, config
+from tests.integration.server import ALIAS, LoopbackServer, config
 
 pytestmark = pytest.mark.integration
 QWEN = "qwen2.5-coder-0.5b-instruct"
@@ -87,7 +87,11 @@ class TestChatAgentSpecStandard(ChatModelIntegrationTests):
 
     @property
     def supports_model_override(self) -> bool:
-        return False  # a verifier serves one target; another target is another ChatAgentSpec
+        return True  # among the verifier's served names (--served-model-name NAME ALIAS ...)
+
+    @property
+    def model_override_value(self) -> str:
+        return ALIAS
 
 
 # -- greedy losslessness through the adapter ---------------------------------------------------------
@@ -267,6 +271,17 @@ def test_agent_through_chat_litellm(agent_server, streaming):
     result = create_agent(model, [add]).invoke({"messages": [ASK]})
     _check_transcript(result["messages"])
     assert all(m.usage_metadata["output_tokens"] > 0 for m in result["messages"] if isinstance(m, AIMessage))
+
+
+def test_model_override_must_be_a_served_name(tiny_server):
+    model = ChatAgentSpec(model="tiny", base_url=tiny_server.url, mode="server-ar", max_tokens=4)
+    assert model.invoke("hi", model=ALIAS).response_metadata["model_name"] == ALIAS
+    assert model.invoke("hi").response_metadata["model_name"] == "tiny"
+    with pytest.raises(Exception, match="'other' is not served here") as info:
+        model.invoke("hi", model="other")
+    assert not getattr(info.value, "is_retryable", False)  # a 404: retrying the same name cannot help
+    with pytest.raises(ValueError, match="non-empty string"):
+        model.invoke("hi", model="")
 
 
 def test_tool_choice_through_the_verifier(agent_server):

@@ -121,8 +121,11 @@ def test_call_arguments_reach_the_client(monkeypatch):
     assert client.calls[-1]["stop"] == ["!"] and client.calls[-1]["max_tokens"] == 3
     with pytest.raises(TypeError, match="unsupported call arguments"):
         model.invoke("hi", frequency_penalty=1.0)
-    with pytest.raises(ValueError, match="serves 'tiny'"):
-        model.invoke("hi", model="other")
+    assert client.calls[-1]["model"] is None  # no override: the session uses the verifier's served name
+    model.invoke("hi", model="tiny-alias")  # an override goes to the verifier, which checks its served names
+    assert client.calls[-1]["model"] == "tiny-alias"
+    with pytest.raises(ValueError, match="non-empty string"):
+        model.invoke("hi", model=3)
 
 
 def test_tool_choice_none_hides_tools_and_required_adds_an_instruction(monkeypatch):

@@ -27,3 +27,13 @@ def test_cli_help():
     for module in ("agentspec.cli", "agentspec.verifier_server"):
         out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "usage" in out.stdout
+
+
+def test_served_model_names_and_aliases(monkeypatch):
+    from agentspec.verifier_server.cli import parse_args
+
+    assert parse_args(["m"]).config.served_names == ("m",)
+    args = parse_args(["m", "--served-model-name", "qwen", "qwen-coder", "gpt-4o"])
+    assert args.config.served_model_name == "qwen" and args.config.served_names == ("qwen", "qwen-coder", "gpt-4o")
+    monkeypatch.setenv("AGENTSPEC_SERVED_MODEL_NAME", "a b")
+    assert parse_args(["m"]).config.served_names == ("a", "b")
