@@ -271,6 +271,18 @@ class PackedLinear(torch.nn.Module):
             self._pack(weight.detach().to(self.dtype))
         super()._load_from_state_dict(state_dict, prefix, *args)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> PackedLinear:
+        """``.to(dtype)`` / ``.float()`` repack the weight in the new dtype; leaving the CPU is refused."""
+        probe = fn(torch.empty(0, dtype=self.dtype))
+        if probe.device.type != "cpu":
+            raise RuntimeError(f"a PackedLinear lives on the CPU; load the model with pack_linears=False to move "
+                               f"it to {probe.device}")
+        weight = fn(self.weight) if probe.dtype != self.dtype else None
+        super()._apply(fn, recurse)  # the bias
+        if weight is not None:
+            self._pack(weight)
+        return self
+
     def __deepcopy__(self, memo: dict) -> PackedLinear:  # an opaque oneDNN tensor has no storage to copy
         dense = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, dtype=self.dtype)
         with torch.no_grad():

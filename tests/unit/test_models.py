@@ -98,6 +98,11 @@ def test_half_precision_linears_pack_as_an_fp32_upcast_where_the_cpu_lacks_kerne
             assert torch.equal(out, torch.cat([packed(x[:2]), packed(x[2:])]))  # batch-invariant past one row
     clone = copy.deepcopy(packed)
     assert torch.equal(clone.weight, lin.weight) and clone.dtype == torch.bfloat16
+    clone.float()  # dtype conversion repacks (the weight is not a parameter `.to` would see)
+    assert clone.dtype == torch.float32 and clone.dense is None and torch.equal(clone.weight, lin.weight.float())
+    assert clone.bias.dtype == torch.float32 and clone(x.float()).dtype == torch.float32
+    with pytest.raises(RuntimeError, match="pack_linears=False"):
+        clone.to("meta")
 
 
 def test_speculation_on_a_packed_target_is_lossless():
