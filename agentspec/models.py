@@ -14,6 +14,7 @@ A model source is one of:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -484,73 +485,83 @@ def forward_batch(
 
     Item ``i`` has ``L_i`` cached positions and ``q_i = len(inputs[i])`` new tokens, with its own additive
     mask ``[1, 1, q_i, L_i + q_i]`` and ``position_ids [1, q_i]`` (as :func:`agentspec.verify.tree_attention`
-    builds them). Caches are left-padded to the longest, inputs right-padded to the longest; padding is
-    masked out, so each item attends to exactly what it would alone. Afterwards each cache holds its
-    ``L_i + q_i`` positions, as if it had run alone.
+    builds them). The new tokens are packed into ONE row of ``sum(q_i)`` tokens, so every linear layer —
+    where the time goes — runs once for all items. Attention runs per item against that item's own cache
+    (a varlen pass, as vLLM does): no cache is padded, concatenated or copied, and each item attends to
+    exactly what it would alone. Afterwards each cache holds its ``L_i + q_i`` positions.
     """
-    lengths = [cache_length(c) for c in caches]
-    big_l, big_q = max(lengths), max(len(x) for x in inputs)
-    batch = len(caches)
-    device, dtype = model.device, _mask_dtype(masks)
-    ids = torch.zeros(batch, big_q, dtype=torch.long, device=device)
-    mask = torch.full((batch, 1, big_q, big_l + big_q), torch.finfo(dtype).min, dtype=dtype, device=device)
-    pos = torch.zeros(batch, big_q, dtype=torch.long, device=device)
-    for i, (length, tokens) in enumerate(zip(lengths, inputs, strict=True)):
-        q = len(tokens)
-        ids[i, :q] = torch.tensor(tokens, device=device)
-        m = masks[i][0, 0]
-        mask[i, 0, :q, big_l - length : big_l] = m[:, :length]
-        mask[i, 0, :q, big_l : big_l + q] = m[:, length:]
-        for row in range(q, big_q):  # padding rows see only themselves (no all-masked rows)
-            mask[i, 0, row, big_l + row] = 0
-        pos[i, :q] = positions[i][0]
-        pos[i, q:] = positions[i][0, -1]
-    merged = new_cache(model)
-    num_layers = max(len(c.layers) for c in caches)
-    for idx in range(num_layers):
-        keys, values = [], []
-        for c in caches:
-            layer = c.layers[idx] if idx < len(c.layers) else None
-            k = getattr(layer, "keys", None)
-            if k is None or k.numel() == 0:
-                keys.append(None)
-                values.append(None)
-            else:
-                keys.append(_left_pad(k, big_l))
-                values.append(_left_pad(layer.values, big_l))
-        template = next((k for k in keys if k is not None), None)
-        if template is None:
-            continue
-        keys = [k if k is not None else template.new_zeros(template.shape) for k in keys]
-        values = [v if v is not None else template.new_zeros(template.shape) for v in values]
-        merged.update(torch.cat(keys), torch.cat(values), idx)
-    out = model(input_ids=ids, **{_cache_kwarg(model): merged}, use_cache=True, attention_mask=mask,
-                position_ids=pos, logits_to_keep=big_q)
-    logits = out.logits
-    results = []
-    for i, (c, length, tokens) in enumerate(zip(caches, lengths, inputs, strict=True)):
-        q = len(tokens)
-        for idx, layer in enumerate(merged.layers):
-            if getattr(layer, "keys", None) is None:
-                continue
-            # views into the batch's buffer, not copies: the next pass concatenates them anyway
-            k = layer.keys[i : i + 1, :, big_l - length : big_l + q, :]
-            v = layer.values[i : i + 1, :, big_l - length : big_l + q, :]
-            if idx < len(c.layers) and getattr(c.layers[idx], "keys", None) is not None:
-                c.layers[idx].keys, c.layers[idx].values = k, v
-            else:
-                c.update(k, v, idx)
-        results.append(logits[i, :q])
-    return results
+    device = model.device
+    rows = _PackedRows(list(caches), [len(x) for x in inputs], list(masks))
+    ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=device)
+    pos = torch.cat([p.reshape(1, -1) for p in positions], dim=1).to(device)
+    placeholder = torch.zeros(1, 1, 1, 1, dtype=masks[0].dtype, device=device)  # a 4D mask is used as given
+    config = model.config
+    saved = config._attn_implementation
+    config._attn_implementation = _packed_attention_name()
+    try:
+        out = model(input_ids=ids, **{_cache_kwarg(model): _packed_cache_class()(model, rows)}, use_cache=True,
+                    attention_mask=placeholder, position_ids=pos, logits_to_keep=ids.shape[1],
+                    agentspec_rows=rows)
+    finally:
+        config._attn_implementation = saved
+    return list(out.logits[0].split(rows.sizes))
 
 
-def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
-    missing = length - t.shape[-2]
-    if missing == 0:
-        return t
-    pad = t.new_zeros(*t.shape[:-2], missing, t.shape[-1])
-    return torch.cat([pad, t], dim=-2)
+@dataclass
+class _PackedRows:
+    """One packed pass: the items' caches, how many new tokens each has, their masks, and per layer the
+    full (cached + new) keys and values each item's attention uses."""
+
+    caches: list[Any]
+    sizes: list[int]
+    masks: list[torch.Tensor]
+    full: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = dataclasses.field(default_factory=dict)
 
 
-def _mask_dtype(masks: Sequence[torch.Tensor]) -> torch.dtype:
-    return masks[0].dtype
+@functools.cache
+def _packed_cache_class() -> type:
+    from transformers import DynamicCache
+
+    class PackedCache(DynamicCache):
+        """Routes a packed row's new keys/values to each item's own cache (its normal append)."""
+
+        def __init__(self, model: Any, rows: _PackedRows) -> None:
+            super().__init__(config=model.config)
+            self.rows = rows
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = key_states.split(self.rows.sizes, dim=-2), value_states.split(self.rows.sizes, dim=-2)
+            self.rows.full[layer_idx] = [c.update(k, v, layer_idx)
+                                         for c, k, v in zip(self.rows.caches, keys, values, strict=True)]
+            return key_states, value_states
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0
+
+    return PackedCache
+
+
+@functools.cache
+def _packed_attention_name() -> str:
+    """Register (once) the attention function a packed pass runs under; unpacked calls go to SDPA."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, scaling: float | None = None,
+                         agentspec_rows: _PackedRows | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if agentspec_rows is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        outs, start = [], 0
+        full = agentspec_rows.full[module.layer_idx]
+        for (k, v), size, mask in zip(full, agentspec_rows.sizes, agentspec_rows.masks, strict=True):
+            out, _ = sdpa_attention_forward(module, query[:, :, start : start + size], k, v, mask,
+                                            dropout=0.0, scaling=scaling, is_causal=False)
+            outs.append(out)
+            start += size
+        return torch.cat(outs, dim=1), None
+
+    name = "agentspec_packed"
+    AttentionInterface.register(name, packed_attention)
+    return name

@@ -193,7 +193,7 @@ def capacity(dtype: str, target: models.LoadedModel, ids_list: list[list[int]], 
                     info = open_session(c, ids, max_new_tokens=max_new)
                     with c.stream("POST", f"/v1/spec/sessions/{info['session_id']}/generate",
                                   json={"base_len": len(ids), "mode": "server", "max_new_tokens": max_new,
-                                        "num_draft_tokens": gamma}) as r:
+                                        "num_draft_tokens": gamma, "drafter": "model"}) as r:
                         for line in r.iter_lines():
                             if line and not warm:
                                 rep = json.loads(line)

@@ -230,10 +230,15 @@ class VerifierEngine:
             if req.mode == "server":
                 k = req.num_draft_tokens if req.num_draft_tokens is not None else self.config.default_num_draft_tokens
                 name = "model" if self.draft_model is not None else "copy"
-                if session.drafter is None:  # kept on the session: its KV cache follows later turns too
+                if req.drafter == "model" and self.draft_model is None:
+                    raise ProtocolError('drafter "model" needs a server started with --draft-model; '
+                                        'use "default"', param="drafter")
+                if session.drafter is None or session.drafter_kind != req.drafter:
+                    # kept on the session: its KV cache follows later turns too
                     model = ModelDrafter(self.draft_model) if self.draft_model is not None else None
-                    session.drafter = default_drafter(self.target.tokenizer, model, self.copy_index,
-                                                      self.verify_costs)
+                    session.drafter = model if req.drafter == "model" else default_drafter(
+                        self.target.tokenizer, model, self.copy_index, self.verify_costs)
+                    session.drafter_kind = req.drafter
                 drafter = session.drafter
                 policy = self.policies.get(name) if req.num_draft_tokens is None else None
             while True:

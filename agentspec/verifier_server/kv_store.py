@@ -53,6 +53,7 @@ class Session:
     async_lock: Any = None  # asyncio.Lock, created on the server's event loop
     text_sent: int = 0  # characters of the generated text already returned
     drafter: Any = None  # server mode: this session's drafter (with its own KV cache)
+    drafter_kind: str = ""  # which kind ``drafter`` is (the Generate request's ``drafter``)
     structure: tuple[Any, Any, Any] = (None, None, None)  # (tools, tool_choice, response_format): grammar drafting
 
     @property

@@ -66,6 +66,36 @@ def test_server_modes_equal_plain_greedy(client, references, mode):
         assert all(rep["drafted"] == 0 for rep in replies)
 
 
+def _server_mode(client: httpx.Client, prompt: list[int], **extra) -> httpx.Response | list[dict]:
+    import json
+
+    sid = client.post("/v1/spec/sessions", json={"prompt_ids": prompt}).json()["session_id"]
+    body = {"base_len": len(prompt), "mode": "server", "max_new_tokens": MAX_NEW, **extra}
+    with client.stream("POST", f"/v1/spec/sessions/{sid}/generate", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            return r
+        return [json.loads(line) for line in r.iter_lines() if line]
+
+
+@pytest.mark.parametrize("drafter", ["default", "model"])
+def test_server_mode_drafter_choice_is_lossless(target, wrong_drafter_model, references, drafter):
+    """A server with --draft-model: the combined drafter and the model alone both give plain greedy."""
+    with LoopbackServer(target, config(), draft_model=wrong_drafter_model) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        replies = _server_mode(c, make_prompt(1), drafter=drafter, num_draft_tokens=3)
+    assert [t for rep in replies for t in rep["tokens"]] == references[1]
+    assert sum(rep["drafted"] for rep in replies) > 0
+
+
+def test_model_drafter_without_draft_model_is_a_clear_400(client):
+    r = _server_mode(client, make_prompt(1), drafter="model")
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "drafter" and "--draft-model" in err["message"]
+    assert _server_mode(client, make_prompt(1), drafter="mystery").status_code == 400
+
+
 def test_concurrent_clients_match_alone_and_get_batched(server, target, references):
     """Eight clients at once: each gets exactly its solo output; some rounds shared a batched pass."""
 
