@@ -19,6 +19,7 @@ import functools
 import hashlib
 import importlib.util
 import inspect
+import json
 import logging
 import os
 import statistics
@@ -205,11 +206,48 @@ def load_model(
         hint = "" if allow_download else " (hub downloads are off; pass allow_download=True or a local path)"
         raise ModelLoadError(f"could not load model {source!r}{hint}: {e}") from e
     model.to(dev).eval()
+    vocab_file = path / DRAFT_VOCAB_FILE if path.is_dir() else None
+    if vocab_file is not None and vocab_file.exists():
+        restrict_output_vocab(model, json.loads(vocab_file.read_text()))
     if pack_linears is None:
         pack_linears = dev.type == "cpu" and os.environ.get("AGENTSPEC_PACK_LINEARS", "1") != "0"
     if pack_linears:
         pack_cpu_linears(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=source, device=dev, dtype=dt)
+
+
+DRAFT_VOCAB_FILE = "agentspec_draft_vocab.json"  # a drafter directory's reduced output vocabulary (token ids)
+
+
+def restrict_output_vocab(model: torch.nn.Module, token_ids: Sequence[int]) -> None:
+    """Keep only the rows ``token_ids`` of ``model``'s output head: a drafter's reduced vocabulary.
+
+    A drafter spends most of a step in its output head when the vocabulary is large (151,936 rows for
+    Qwen2.5); drafting from the few thousand tokens tool calls actually use cuts that cost by the same
+    factor. It stays lossless: the target verifies every draft, and the drafter simply never proposes a
+    token outside its set. ``model.agentspec_token_map`` maps head rows back to token ids
+    (:class:`~agentspec.drafters.model.ModelDrafter` uses it); the input embeddings are untouched.
+    """
+    head = model.get_output_embeddings()
+    full = int(head.weight.shape[0])
+    ids = sorted({int(t) for t in token_ids})
+    if not ids or ids[0] < 0 or ids[-1] >= full:
+        raise ValueError(f"a reduced vocabulary needs token ids in [0, {full}), got {len(ids)} ids "
+                         f"spanning [{ids[0] if ids else None}, {ids[-1] if ids else None}]")
+    index = torch.tensor(ids, dtype=torch.long, device=head.weight.device)
+    with torch.no_grad():
+        weight = head.weight.detach().index_select(0, index).clone()
+        bias = None if head.bias is None else head.bias.detach().index_select(0, index).clone()
+    small = torch.nn.Linear(weight.shape[1], len(ids), bias=bias is not None, device=weight.device,
+                            dtype=weight.dtype)
+    with torch.no_grad():
+        small.weight.copy_(weight)
+        if bias is not None:
+            small.bias.copy_(bias)
+    model.set_output_embeddings(small)
+    model.config.tie_word_embeddings = False  # the head is its own (smaller) matrix now
+    model.agentspec_token_map = index
+    model.agentspec_full_vocab = full
 
 
 class PackedLinear(torch.nn.Module):
@@ -555,12 +593,14 @@ def _packed_attention_name() -> str:
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         outs, start = [], 0
         full = agentspec_rows.full[module.layer_idx]
+        gqa = query.shape[1] != full[0][0].shape[1]
         for (k, v), size, mask in zip(full, agentspec_rows.sizes, agentspec_rows.masks, strict=True):
-            out, _ = sdpa_attention_forward(module, query[:, :, start : start + size], k, v, mask,
-                                            dropout=0.0, scaling=scaling, is_causal=False)
+            # SDPA's own grouped-query support: no repeated copy of every cached key and value
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, start : start + size], k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
             outs.append(out)
             start += size
-        return torch.cat(outs, dim=1), None
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
     name = "agentspec_packed"
     AttentionInterface.register(name, packed_attention)

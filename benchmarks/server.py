@@ -139,7 +139,8 @@ def throughput(dtype: str, prompts: list[list[int]], rounds: int, k: int) -> dic
                         t0 = time.perf_counter()
                         rows = run_rounds(c, info["session_id"], base, rounds, [ids[-1]] * k)
                         res.append((len(rows), time.perf_counter() - t0,
-                                    max(r["timings"]["batch_size"] for _, r in rows)))
+                                    [r["timings"]["batch_size"] for _, r in rows],
+                                    [(r["timings"]["verify_ms"], r["timings"]["queue_ms"], w * 1e3) for w, r in rows]))
                 res: list = []
                 barrier = threading.Barrier(n)
                 threads = [threading.Thread(target=client, args=(i, res, barrier, srv.url)) for i in range(n)]
@@ -149,9 +150,15 @@ def throughput(dtype: str, prompts: list[list[int]], rounds: int, k: int) -> dic
                     t.join()
                 wall = max(r[1] for r in res)
                 total = sum(r[0] for r in res)
+                sizes = [b for r in res for b in r[2]]
+                times = [t for r in res for t in r[3]]
+                med = {name: statistics.median(t[i] for t in times)
+                       for i, name in enumerate(("verify_ms_median", "queue_ms_median", "round_ms_median"))}
                 out[label][n] = {"rounds": total, "wall_s": wall, "rounds_per_s": total / wall,
-                                 "max_batch": max(r[2] for r in res)}
-                log(f"[{dtype}] (b) {label} n={n}: {total / wall:.2f} rounds/s (max batch {out[label][n]['max_batch']})")
+                                 "max_batch": max(sizes), "mean_batch": sum(sizes) / len(sizes), **med}
+                log(f"[{dtype}] (b) {label} n={n}: {total / wall:.2f} rounds/s (batch size: max {max(sizes)}, "
+                    f"mean over rounds {out[label][n]['mean_batch']:.2f}; median pass {med['verify_ms_median']:.0f} "
+                    f"ms, queue {med['queue_ms_median']:.0f} ms, round {med['round_ms_median']:.0f} ms)")
         finally:
             srv.close()
     out["ratio"] = {n: out["batched"][n]["rounds_per_s"] / out["serial"][n]["rounds_per_s"] for n in (1, 2, 4, 8)}

@@ -10,6 +10,8 @@ truncated to its top ``proposal_top_k`` tokens, and that truncated distribution 
 draft's ``q`` — exactly the distribution the token came from, which lossless sampling requires.
 With ``tree_width > 1`` each depth also gets ``tree_width - 1`` sibling leaves (the next-best tokens
 when greedy, further independent samples when sampling): a wider tree at no extra drafter passes.
+A drafter with a reduced output vocabulary (:func:`agentspec.models.restrict_output_vocab`) drafts only
+from that set; its logits are scattered back to token ids (the rest at -inf).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class ModelDrafter:
             raise ValueError(f"proposal_top_k must be >= 1, got {proposal_top_k}")
         self.model = model.model if isinstance(model, models.LoadedModel) else model
         self.tree_width, self.proposal_top_k = tree_width, proposal_top_k
+        # a reduced output vocabulary (models.restrict_output_vocab): head row -> token id
+        self._token_map = getattr(self.model, "agentspec_token_map", None)
+        self._full_vocab = getattr(self.model, "agentspec_full_vocab", None)
         self.reset()
 
     def reset(self) -> None:
@@ -58,7 +63,7 @@ class ModelDrafter:
         probs: list[SparseDist | None] = []
         parent = -1
         for _ in range(k):
-            logits = models.forward(self.model, feed, self._cache, num_logits=1)[-1]  # [vocab]
+            logits = self._full_logits(models.forward(self.model, feed, self._cache, num_logits=1)[-1])
             self._cached.extend(feed)
             picked, dist = self._pick(logits, ctx)
             node = len(tokens)
@@ -75,6 +80,15 @@ class ModelDrafter:
             draft_probs=None if ctx.sampling.greedy else tuple(probs),
             source=self.name,
         )
+
+    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary: a reduced head's rows scattered to their token ids, the
+        rest -inf (never proposed, probability 0 in a sampled draft's q)."""
+        if self._token_map is None:
+            return logits
+        full = logits.new_full((self._full_vocab,), float("-inf"))
+        full[self._token_map.to(logits.device)] = logits
+        return full
 
     def _pick(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[list[int], SparseDist | None]:
         """The chain token first, then sibling leaves; and the proposal they were drawn from."""

@@ -36,6 +36,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_len: int = 768  # prompt tokens are cut from the left to fit prompt + response
     kl_weight: float = 0.0  # > 0: add KL(target ‖ drafter) on response tokens (one target pass per batch)
+    draft_vocab: int = 8192  # > 0: the drafter's output head keeps this many token ids (see distill.draft_vocabulary)
     lora_rank: int = 0  # > 0: train LoRA adapters (peft) and merge them into the saved drafter
     checkpoint_every: int = 25  # steps between checkpoints (and always at the end)
     eval_ks: str = "2,4,8"
@@ -56,8 +57,8 @@ class TrainConfig:
         for name in ("init_layers", "epochs", "batch_size", "max_len", "max_new_tokens", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0 or self.kl_weight < 0 or self.lora_rank < 0:
-            raise ValueError("lr must be > 0; kl_weight and lora_rank must be >= 0")
+        if self.lr <= 0 or self.kl_weight < 0 or self.lora_rank < 0 or self.draft_vocab < 0:
+            raise ValueError("lr must be > 0; kl_weight, lora_rank and draft_vocab must be >= 0")
         _ = self.ks, self.temps  # parse (and so validate) eval_ks and temperatures
 
     @property

@@ -16,6 +16,7 @@ import copy
 import json
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,10 +244,41 @@ def _save_checkpoint(path: Path, model: Any, opt: Any, sched: Any, state: TrainS
     tmp.replace(path)  # atomic: an interruption never leaves a half-written checkpoint
 
 
-def save_drafter(drafter: Any, tokenizer: Any, out: Path, meta: dict[str, Any]) -> None:
-    """A standard checkpoint directory (weights, config, tokenizer) that ``load_model`` opens."""
+def draft_vocabulary(samples: Sequence[Sample], size: int, vocab_size: int, always: Sequence[int] = ()
+                     ) -> list[int] | None:
+    """The token ids a drafter's reduced output head keeps, or ``None`` when ``size`` covers the vocabulary.
+
+    In order until ``size`` are taken: ``always`` (special tokens), every token of the target's responses
+    (most frequent first), the prompts' tokens (most frequent first), then the lowest ids (BPE vocabularies
+    number their most common merges first). A token left out is never drafted; losslessness does not
+    depend on the choice, only acceptance does.
+    """
+    if size <= 0 or size >= vocab_size:
+        return None
+    responses = Counter(t for s in samples for t in s.response_ids)
+    prompts = Counter(t for s in samples for t in s.prompt_ids)
+    chosen: dict[int, None] = {}
+    for t in [*always, *(t for t, _ in responses.most_common()), *(t for t, _ in prompts.most_common()),
+              *range(vocab_size)]:
+        if len(chosen) >= size:
+            break
+        if 0 <= t < vocab_size:
+            chosen.setdefault(int(t))
+    return sorted(chosen)
+
+
+def save_drafter(drafter: Any, tokenizer: Any, out: Path, meta: dict[str, Any],
+                 vocab: Sequence[int] | None = None) -> None:
+    """A standard checkpoint directory (weights, config, tokenizer) that ``load_model`` opens; ``vocab``
+    (a reduced output vocabulary) goes to :data:`agentspec.models.DRAFT_VOCAB_FILE` beside it."""
     model = drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "agentspec_drafter.json").write_text(json.dumps(meta, indent=1, default=str))
+    vocab_file = out / models.DRAFT_VOCAB_FILE
+    if vocab is not None:
+        vocab_file.write_text(json.dumps(list(vocab)))
+    elif vocab_file.exists():
+        vocab_file.unlink()
+    (out / "agentspec_drafter.json").write_text(json.dumps({**meta, "draft_vocab": len(vocab) if vocab else None},
+                                                           indent=1, default=str))

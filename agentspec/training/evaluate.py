@@ -4,7 +4,9 @@ Each held-out prompt is prefilled once; every run decodes from a copy of that ca
 For each held-out prompt the target decodes plainly (the reference, timed) and with the drafter in the
 in-process engine (co-located mode) at fixed γ = k for each k: α, mean accepted length, per-position
 acceptance, draft ms/token, and the measured decode speed-up next to the closed-form prediction from
-the measured t_v(k) curve. Every speculative output is checked against the plain one.
+the measured t_v(k) curve. Every speculative output is checked against the plain one: identical, or
+(bf16 only) diverging first at a top-2 tie of the target's logits (:mod:`agentspec.equivalence`); any
+other divergence is reported as a failure.
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ from agentspec import models, router
 from agentspec.drafters.base import DraftContext
 from agentspec.drafters.model import ModelDrafter
 from agentspec.engine import SpecEngine
+from agentspec.equivalence import check_divergence, logit_path_noise
 from agentspec.toolcalls import render_chat
 from agentspec.training.data import ChatExample
 from agentspec.types import SamplingParams, SpecStats
 
 
 def evaluate(target: models.LoadedModel, drafter_model: Any, examples: Sequence[ChatExample], ks: Sequence[int],
-             max_new_tokens: int, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Figures of ``drafter_model`` (a bare HF model or LoadedModel, same device/dtype as the target)."""
+             max_new_tokens: int, progress: Callable[[str], None] | None = None, tie_ulps: float = 1.0
+             ) -> dict[str, Any]:
+    """Figures of ``drafter_model`` (a bare HF model or LoadedModel, same device/dtype as the target).
+
+    ``tie_ulps``: the bf16 tie threshold's floor in bf16 ulps (see :func:`check_divergence`)."""
     prompts = [render_chat(target.tokenizer, list(e.messages), list(e.tools) or None) for e in examples]
     params = SamplingParams(max_new_tokens=max_new_tokens)
     plain = SpecEngine(target, None)
@@ -39,15 +45,20 @@ def evaluate(target: models.LoadedModel, drafter_model: Any, examples: Sequence[
         ref.append(tokens)
         plain_s, plain_tokens = plain_s + seconds, plain_tokens + counted
     t_ar = plain_s / max(plain_tokens, 1)
+    # how far bf16 rounding moves a logit between computation paths: the floor for calling a divergence a tie
+    noise = logit_path_noise(target.model, prompts[0], ref[0], max(ks) + 1)["max_abs"] if ref[0] else 0.0
     result: dict[str, Any] = {"prompts": len(prompts), "plain_tokens_per_s": plain_tokens / plain_s, "t_ar": t_ar,
-                              "verify_cost_ratio": {k: s / curve[1] for k, s in curve.items()}, "by_k": {}}
+                              "verify_cost_ratio": {k: s / curve[1] for k, s in curve.items()},
+                              "logit_path_noise": noise, "by_k": {}}
     for k in ks:
         engine = SpecEngine(target, drafter, num_draft_tokens=k)
-        stats, seconds, counted, identical = SpecStats(), 0.0, 0, True
-        for ids, cache, expected in zip(prompts, caches, ref, strict=True):
+        stats, seconds, counted, divergences = SpecStats(), 0.0, 0, []
+        for example, ids, cache, expected in zip(examples, prompts, caches, ref, strict=True):
             tokens, s, n = _decode_timed(engine, ids, cache, params, stats)
             seconds, counted = seconds + s, counted + n
-            identical &= tokens == expected
+            div = check_divergence(target, example.id, ids, expected, tokens, tie_ulps, noise)
+            if div is not None:
+                divergences.append(div)
         alpha = stats.alpha
         t_d = stats.draft_s / stats.drafted if stats.drafted else 0.0
         predicted = router.predicted_speedup([k] * max(stats.num_rounds, 1), alpha, t_ar, t_d,
@@ -57,11 +68,14 @@ def evaluate(target: models.LoadedModel, drafter_model: Any, examples: Sequence[
             "alpha": alpha, "mean_accepted_length": stats.mean_accepted_length,
             "per_position_acceptance": stats.per_position_acceptance, "draft_ms_per_token": t_d * 1e3,
             "tokens_per_s": rate, "measured_speedup": rate / result["plain_tokens_per_s"],
-            "predicted_speedup": predicted, "identical_to_plain": identical,
+            "predicted_speedup": predicted, "identical_to_plain": not divergences,
+            "divergences": divergences,
+            "lossless": all(d["verdict"] == "tie" for d in divergences),  # identical, or bf16 ties only
         }
         if progress:
             progress(f"k={k}: MAL {stats.mean_accepted_length:.2f}, α {alpha:.3f}, "
-                     f"x{result['by_k'][k]['measured_speedup']:.2f} measured, x{predicted:.2f} predicted")
+                     f"x{result['by_k'][k]['measured_speedup']:.2f} measured, x{predicted:.2f} predicted; "
+                     f"{len(divergences)} divergences ({sum(d['verdict'] != 'tie' for d in divergences)} real)")
     return result
 
 

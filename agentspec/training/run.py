@@ -66,16 +66,19 @@ def run_training(cfg: TrainConfig, target: models.LoadedModel | None = None, sto
     samples = distill.target_responses(target, train_ex, cfg, out / "responses.jsonl", _bar("target responses"))
     data_s = time.perf_counter() - t_data
     drafter = distill.init_drafter(target, cfg)
+    full_vocab = int(drafter.get_output_embeddings().weight.shape[0])
+    vocab = distill.draft_vocabulary(samples, cfg.draft_vocab, full_vocab, target.tokenizer.all_special_ids)
     report: dict[str, Any] = {"config": cfg.to_dict(), "train_ids": [e.id for e in train_ex],
                               "heldout_ids": [e.id for e in held_ex], "samples": len(samples),
                               "response_tokens": sum(len(s.response_ids) for s in samples),
-                              "drafter_params": sum(p.numel() for p in drafter.parameters())}
+                              "drafter_params": sum(p.numel() for p in drafter.parameters()),
+                              "draft_vocab": len(vocab) if vocab else full_vocab}
     checkpoint = out / "checkpoint.pt"
     eval_target = None
     if cfg.eval_before and not checkpoint.exists() and stop_after is None:
         eval_target = _eval_target(target, cfg)
         _say("evaluating the untrained drafter on held-out prompts")
-        report["before"] = evaluate(eval_target, _as(drafter, eval_target), held_ex, cfg.ks, cfg.max_new_tokens, _say)
+        report["before"] = evaluate(eval_target, _as(drafter, eval_target, vocab), held_ex, cfg.ks, cfg.max_new_tokens, _say)
     t_train = time.perf_counter()
     state = distill.train(drafter, samples, cfg, checkpoint, target.model if cfg.kl_weight > 0 else None,
                           stop_after, _bar("training"))
@@ -86,7 +89,7 @@ def run_training(cfg: TrainConfig, target: models.LoadedModel | None = None, sto
         _say(f"stopped at step {state.step}/{total}; rerun the same command to resume")
         report["finished"] = False
         return report
-    distill.save_drafter(drafter, target.tokenizer, out, {"target": cfg.target, "steps": state.step})
+    distill.save_drafter(drafter, target.tokenizer, out, {"target": cfg.target, "steps": state.step}, vocab)
     drafter = models.load_model(str(out), device=target.device, dtype="float32").model  # what users will load
     eval_target = eval_target or _eval_target(target, cfg)
     _say("evaluating the trained drafter on held-out prompts")
@@ -110,30 +113,42 @@ def _eval_target(target: models.LoadedModel, cfg: TrainConfig) -> models.LoadedM
     return models.LoadedModel(model, target.tokenizer, target.name, target.device, dtype)
 
 
-def _as(drafter: Any, target: models.LoadedModel) -> Any:
-    """The drafter in the target's dtype (a copy: training continues on the original)."""
+def _as(drafter: Any, target: models.LoadedModel, vocab: list[int] | None = None) -> Any:
+    """The drafter in the target's dtype, with its reduced vocabulary if any (a copy: training continues on
+    the original)."""
     import copy
 
     base = drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter
-    return copy.deepcopy(base).to(target.dtype).eval()
+    model = copy.deepcopy(base).to(target.dtype).eval()
+    if vocab is not None:
+        models.restrict_output_vocab(model, vocab)
+    return model
+
+
+def _identity(figures: dict[str, Any]) -> str:
+    """"yes", "ties: N" (bf16 top-2 ties only) or "FAILED: N" (a real divergence: a bug)."""
+    divs = figures.get("divergences", [])
+    real = sum(d["verdict"] != "tie" for d in divs)
+    return "FAILED: " + str(real) if real else (f"ties: {len(divs)}" if divs else "yes")
 
 
 def report_markdown(report: dict[str, Any]) -> str:
     """The before/after table of a finished run."""
     lines = ["# agentspec train report", "",
              f"target `{report['config']['target']}`, {len(report['train_ids'])} training prompts "
-             f"({report['samples']} responses, {report['response_tokens']} tokens), "
+             f"({report['samples']} responses, {report['response_tokens']} tokens), drafter output vocabulary "
+             f"{report.get('draft_vocab')} ids, "
              f"{len(report['heldout_ids'])} held out; {report['train_steps']} steps, final loss "
              f"{report['final_loss']:.3f}, training {report['train_s'] / 60:.1f} min, wall {report['wall_s'] / 60:.1f} "
              f"min, peak RSS {report['peak_rss_mib']:.0f} MiB", "",
              "| k | MAL before | MAL after | α before | α after | draft ms/tok after | speed-up before | "
-             "speed-up after (pred.) | identical |", "|---|---|---|---|---|---|---|---|---|"]
+             "speed-up after (pred.) | identical (bf16 ties) |", "|---|---|---|---|---|---|---|---|---|"]
     before = report.get("before", {}).get("by_k", {})
     for k, a in report["after"]["by_k"].items():
         b = before.get(k, {})
         lines.append(f"| {k} | {b.get('mean_accepted_length', float('nan')):.2f} | {a['mean_accepted_length']:.2f} "
                      f"| {b.get('alpha', float('nan')):.3f} | {a['alpha']:.3f} | {a['draft_ms_per_token']:.1f} | "
                      f"{b.get('measured_speedup', float('nan')):.2f} | {a['measured_speedup']:.2f} "
-                     f"({a['predicted_speedup']:.2f}) | {a['identical_to_plain']} |")
+                     f"({a['predicted_speedup']:.2f}) | {_identity(a)} |")
     lines += ["", "Held-out ids: " + ", ".join(report["heldout_ids"]), ""]
     return "\n".join(lines)

@@ -387,7 +387,9 @@ class BatchScheduler:
         self._pass_s = 0.0  # EMA of one model pass (sets how long waiting for company may take)
 
     def _active(self, horizon_s: float = 0.25) -> set[str]:
-        """Sessions that submitted rounds lately (their clients are likely to send the next one soon)."""
+        """Sessions that submitted a round or got a reply lately (their clients are likely to send the next
+        one soon). Counting from the reply matters: from the submit, a pass longer than the horizon would
+        drop every session of the last batch, and batches would split for good."""
         now = time.perf_counter()
         for sid in [sid for sid, t in self._recent.items() if now - t > horizon_s]:
             del self._recent[sid]
@@ -458,7 +460,9 @@ class BatchScheduler:
                     self.running = 0
                 elapsed = time.perf_counter() - t0
                 self._pass_s = elapsed if self._pass_s == 0 else 0.8 * self._pass_s + 0.2 * elapsed
+                done = time.perf_counter()
                 for it, out in zip(items, outcomes, strict=True):
+                    self._recent[it.session.id] = done  # its client is about to send the next round
                     if not it.future.done():
                         it.future.set_result(out)
 

@@ -16,11 +16,14 @@ from tests.unit.test_train import config
 
 
 def test_trained_drafter_loads_in_the_server_and_the_client(tmp_path, target):
-    cfg = config(tmp_path, "drafter", epochs=1, lora_rank=4)  # LoRA: merged into the saved weights
+    # LoRA: merged into the saved weights; a reduced output vocabulary of 40 of the 97 ids
+    cfg = config(tmp_path, "drafter", epochs=1, lora_rank=4, draft_vocab=40)
     report = run_training(cfg, target=target)
     assert report["finished"] and (tmp_path / "drafter" / "report.md").exists()
     drafter = models.load_model(cfg.output, dtype="float32")
     assert drafter.model.config.num_hidden_layers == 1 and not hasattr(drafter.model, "peft_config")
+    assert report["draft_vocab"] == 40 and drafter.model.get_output_embeddings().weight.shape[0] == 40
+    assert set(target.tokenizer.all_special_ids) <= set(drafter.model.agentspec_token_map.tolist())
     messages = [{"role": "user", "content": "look up item 3"}]
     prompt = render_chat(target.tokenizer, messages)
     reference = plain_greedy(target, prompt, 24)

@@ -7,8 +7,12 @@ the n-gram drafter (chain and tree) and the model drafter (chain and tree).
 
 from __future__ import annotations
 
-import pytest
+import copy
 
+import pytest
+import torch
+
+from agentspec import models
 from agentspec.drafters import ModelDrafter, NgramDrafter
 from agentspec.drafters.base import DraftContext
 from agentspec.engine import SpecEngine
@@ -112,6 +116,33 @@ def test_ngram_drafter(target, references, i, candidates):
 def test_model_drafter_tree(target, wrong_drafter_model, references, i):
     for drafter in (ModelDrafter(target, tree_width=3), ModelDrafter(wrong_drafter_model, tree_width=3)):
         assert run(target, drafter, PROMPTS[i], k=3).tokens == references[i]
+
+
+@pytest.fixture(scope="module")
+def reduced_self(target, references):
+    """The target drafting for itself with its output head cut to the even ids plus prompt 0's answer:
+    right wherever the target's token is kept, unable to propose the rest."""
+    model = copy.deepcopy(target.model)
+    keep = sorted(set(range(0, model.config.vocab_size, 2)) | set(references[0]))
+    models.restrict_output_vocab(model, keep)
+    return model, keep
+
+
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_reduced_vocabulary_drafter(target, references, reduced_self, i):
+    model, keep = reduced_self
+    result = run(target, ModelDrafter(model), PROMPTS[i], k=4)
+    assert result.tokens == references[i]
+    if set(references[i]) <= set(keep):
+        assert result.stats.alpha == 1.0
+    else:  # some of the target's tokens cannot be drafted: rejected there, still lossless
+        assert result.stats.alpha < 1.0
+    prop = ModelDrafter(model).propose(DraftContext(PROMPTS[i], len(PROMPTS[i])), 4)
+    assert set(prop.tokens) <= set(keep)
+    sampled = ModelDrafter(model).propose(DraftContext(PROMPTS[i], len(PROMPTS[i]), SamplingParams(temperature=1.0),
+                                                       torch.Generator().manual_seed(0)), 3)
+    for dist in sampled.draft_probs:
+        assert set(dist.ids) <= set(keep) and abs(sum(dist.probs) - 1) < 1e-5
 
 
 def test_model_drafter_reused_across_requests(target, references):

@@ -61,6 +61,25 @@ def test_load_from_directory_roundtrip(tmp_path):
     assert loaded.eos_token_ids == (1,)
 
 
+def test_reduced_output_vocabulary_loads_from_the_directory(tmp_path):
+    lm = tiny_model(seed=3)
+    lm.model.save_pretrained(tmp_path)
+    lm.tokenizer.save_pretrained(tmp_path)
+    keep = [1, 5, 9, 40, 96]
+    (tmp_path / models.DRAFT_VOCAB_FILE).write_text(str(keep))
+    for pack in (False, True):
+        small = models.load_model(str(tmp_path), device="cpu", dtype="float32", pack_linears=pack).model
+        assert small.get_output_embeddings().weight.shape[0] == len(keep)
+        assert small.agentspec_token_map.tolist() == keep and small.agentspec_full_vocab == 97
+        assert small.get_input_embeddings().weight.shape[0] == 97  # it still reads every token
+        with torch.inference_mode():
+            full = lm.model.cpu()(torch.tensor([[5, 6, 7]])).logits[0, -1]
+            torch.testing.assert_close(small(torch.tensor([[5, 6, 7]])).logits[0, -1], full[keep], rtol=0, atol=1e-4)
+    for bad in ([], [3, 97], [-1]):
+        with pytest.raises(ValueError, match="reduced vocabulary"):
+            models.restrict_output_vocab(copy.deepcopy(lm.model), bad)
+
+
 def test_packed_linears_keep_the_weights_and_are_batch_invariant():
     lm = tiny_model(seed=4)
     packed = copy.deepcopy(lm.model)

@@ -100,7 +100,7 @@ def test_accepting_everything_would_be_detected():
     assert tv_distance(samples, exact) > 0.2
 
 
-@pytest.mark.parametrize("kind", ["model_tree", "grammar_copy_model"])
+@pytest.mark.parametrize("kind", ["model_tree", "reduced_vocab_tree", "grammar_copy_model"])
 def test_engine_sampling_matches_target_model(target, wrong_drafter_model, kind):
     """End to end through SpecEngine: the first two tokens match the target's law — with a model drafter
     (a sampled tree), and with the tree drafter (a grammar-forced point-mass ``{`` for a JSON answer,
@@ -123,13 +123,22 @@ def test_engine_sampling_matches_target_model(target, wrong_drafter_model, kind)
             p2 = sampling_probs(l2, params).cpu()
             for x2 in torch.nonzero(p2).flatten().tolist():
                 exact[(x1, x2)] = float(p1[x1] * p2[x2])
-    model = ModelDrafter(wrong_drafter_model, tree_width=2)
-    drafter = model if kind == "model_tree" else TreeDrafter(GrammarDrafter(target.tokenizer), CopyDrafter(), model)
+    if kind == "reduced_vocab_tree":  # a drafter that can only propose half the tokens: q is 0 elsewhere
+        import copy
+
+        from agentspec import models
+
+        small = copy.deepcopy(wrong_drafter_model.model)
+        models.restrict_output_vocab(small, range(0, small.config.vocab_size, 2))
+        model = ModelDrafter(small, tree_width=2)
+    else:
+        model = ModelDrafter(wrong_drafter_model, tree_width=2)
+    drafter = model if kind != "grammar_copy_model" else TreeDrafter(GrammarDrafter(target.tokenizer), CopyDrafter(), model)
     engine = SpecEngine(target, drafter, num_draft_tokens=3, stop_token_ids=())
-    json_answer = {"type": "json_object"} if kind != "model_tree" else None
+    json_answer = {"type": "json_object"} if kind == "grammar_copy_model" else None
     samples = [tuple(engine.generate(prompt, SamplingParams(temperature=1.5, top_k=3, max_new_tokens=2, seed=s),
                                      response_format=json_answer).tokens) for s in range(1500)]
-    if kind != "model_tree":
+    if kind == "grammar_copy_model":
         assert engine.generate(prompt, SamplingParams(max_new_tokens=2, temperature=1.5, top_k=3),
                                response_format=json_answer).stats.drafted >= 1  # the forced "{" was drafted
     assert set(samples) <= set(exact)
