@@ -337,17 +337,18 @@ class SpecClient:
         t = self._ensure_session(run)
         seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions))
         t0 = time.perf_counter()
-        while run.finish is None and seg.tokens < self.segment_tokens:
-            left = run.max_tokens - run.generated - 1  # no draft at all with one token left (k = -1)
-            draft, draft_s, preview = run.draft(min(self.policy.gamma("edge", self.num_draft_tokens), left)
-                                                if left > 0 else -1)
-            if preview:
-                yield PreviewEvent(preview)
-            body = {"base_len": len(run.tokens), "draft": draft, "sampling": run.sampling_body()}
-            r = t.post(f"/v1/spec/sessions/{run.sid}/rounds", body)
-            yield from self._commit(run, seg, r.body, r.wall_s, draft_s)
-        seg.wall_s = time.perf_counter() - t0
-        self._segment_done(run, seg)
+        try:
+            while run.finish is None and seg.tokens < self.segment_tokens:
+                left = run.max_tokens - run.generated - 1  # no draft at all with one token left (k = -1)
+                draft, draft_s, preview = run.draft(min(self.policy.gamma("edge", self.num_draft_tokens), left)
+                                                    if left > 0 else -1)
+                if preview:
+                    yield PreviewEvent(preview)
+                body = {"base_len": len(run.tokens), "draft": draft, "sampling": run.sampling_body()}
+                r = t.post(f"/v1/spec/sessions/{run.sid}/rounds", body)
+                yield from self._commit(run, seg, r.body, r.wall_s, draft_s)
+        finally:  # a segment cut short by a failing verifier still reports the tokens it committed
+            self._segment_done(run, seg, t0)
 
     def _server_segment(self, run: _Run, mode: str) -> Iterator[Any]:
         t = self._ensure_session(run)
@@ -355,12 +356,13 @@ class SpecClient:
         t0 = time.perf_counter()
         body = {"base_len": len(run.tokens), "mode": mode, "sampling": run.sampling_body(),
                 "max_new_tokens": min(self.segment_tokens, run.max_tokens - run.generated)}
-        for r in t.stream_lines(f"/v1/spec/sessions/{run.sid}/generate", body):
-            yield from self._commit(run, seg, r.body, r.wall_s, 0.0)
-            if run.finish is not None:
-                break
-        seg.wall_s = time.perf_counter() - t0
-        self._segment_done(run, seg)
+        try:
+            for r in t.stream_lines(f"/v1/spec/sessions/{run.sid}/generate", body):
+                yield from self._commit(run, seg, r.body, r.wall_s, 0.0)
+                if run.finish is not None:
+                    break
+        finally:
+            self._segment_done(run, seg, t0)
 
     def _api_segment(self, run: _Run) -> Iterator[Any]:
         t0 = time.perf_counter()
@@ -379,18 +381,19 @@ class SpecClient:
         t = await self._aensure_session(run)
         seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions))
         t0 = time.perf_counter()
-        while run.finish is None and seg.tokens < self.segment_tokens:
-            left = run.max_tokens - run.generated - 1  # no draft at all with one token left (k = -1)
-            draft, draft_s, preview = run.draft(min(self.policy.gamma("edge", self.num_draft_tokens), left)
-                                                if left > 0 else -1)
-            if preview:
-                yield PreviewEvent(preview)
-            body = {"base_len": len(run.tokens), "draft": draft, "sampling": run.sampling_body()}
-            r = await t.apost(f"/v1/spec/sessions/{run.sid}/rounds", body)
-            for ev in self._commit(run, seg, r.body, r.wall_s, draft_s):
-                yield ev
-        seg.wall_s = time.perf_counter() - t0
-        self._segment_done(run, seg)
+        try:
+            while run.finish is None and seg.tokens < self.segment_tokens:
+                left = run.max_tokens - run.generated - 1  # no draft at all with one token left (k = -1)
+                draft, draft_s, preview = run.draft(min(self.policy.gamma("edge", self.num_draft_tokens), left)
+                                                    if left > 0 else -1)
+                if preview:
+                    yield PreviewEvent(preview)
+                body = {"base_len": len(run.tokens), "draft": draft, "sampling": run.sampling_body()}
+                r = await t.apost(f"/v1/spec/sessions/{run.sid}/rounds", body)
+                for ev in self._commit(run, seg, r.body, r.wall_s, draft_s):
+                    yield ev
+        finally:
+            self._segment_done(run, seg, t0)
 
     async def _aserver_segment(self, run: _Run, mode: str) -> AsyncIterator[Any]:
         t = await self._aensure_session(run)
@@ -398,13 +401,14 @@ class SpecClient:
         t0 = time.perf_counter()
         body = {"base_len": len(run.tokens), "mode": mode, "sampling": run.sampling_body(),
                 "max_new_tokens": min(self.segment_tokens, run.max_tokens - run.generated)}
-        async for r in t.astream_lines(f"/v1/spec/sessions/{run.sid}/generate", body):
-            for ev in self._commit(run, seg, r.body, r.wall_s, 0.0):
-                yield ev
-            if run.finish is not None:
-                break
-        seg.wall_s = time.perf_counter() - t0
-        self._segment_done(run, seg)
+        try:
+            async for r in t.astream_lines(f"/v1/spec/sessions/{run.sid}/generate", body):
+                for ev in self._commit(run, seg, r.body, r.wall_s, 0.0):
+                    yield ev
+                if run.finish is not None:
+                    break
+        finally:
+            self._segment_done(run, seg, t0)
 
     async def _aapi_segment(self, run: _Run) -> AsyncIterator[Any]:
         t0 = time.perf_counter()
@@ -472,7 +476,10 @@ class SpecClient:
                                   draft_s=draft_s, load=reply.get("load"))
         return run.apply(reply)
 
-    def _segment_done(self, run: _Run, seg: SegmentStats) -> None:
+    def _segment_done(self, run: _Run, seg: SegmentStats, t0: float) -> None:
+        seg.wall_s = time.perf_counter() - t0
+        if not seg.tokens and not seg.rounds:
+            return  # failed before committing anything: nothing to report or learn from
         run.stats.segments.append(seg)
         if seg.tokens:
             self.policy.observe_segment(seg.mode, seg.wall_s / seg.tokens)

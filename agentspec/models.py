@@ -335,6 +335,23 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={kind}"
 
 
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the weights take in memory as loaded (what ``state_dict`` sizes miss for packed models):
+    parameters and buffers, each :class:`PackedLinear` as its packed weight plus its half-precision copy."""
+    total, seen = 0, set()
+    for module in model.modules():
+        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if isinstance(module, PackedLinear):
+            packed_item = 4 if module.dense is not None else module.dtype.itemsize  # an upcast packs fp32
+            total += module.in_features * module.out_features * packed_item
+            tensors += [module.dense] if module.dense is not None else []
+        for t in tensors:
+            if t.data_ptr() not in seen:  # tied weights count once
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
 def pack_cpu_linears(model: torch.nn.Module) -> int:
     """Replace every ``nn.Linear`` of a CPU model by a :class:`PackedLinear`; returns how many were packed.
 

@@ -151,8 +151,14 @@ def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
                                               * 0.5 * (1 + math.cos(math.pi * min(s / total, 1.0))))
     state = TrainState()
+    recipe = _recipe(cfg, len(samples))
     if checkpoint.exists():
         saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        changed = {k: (saved.get("recipe", {}).get(k), v) for k, v in recipe.items()
+                   if saved.get("recipe", {}).get(k) != v}
+        if changed:  # resuming another run's optimiser state and schedule would silently train something else
+            raise ValueError(f"{checkpoint} was written by a different training run ({changed}: saved, now); "
+                             "use another --output, or delete the checkpoint to start over")
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
@@ -176,7 +182,7 @@ def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint:
         if progress:
             progress(state.step, total, state.losses[-1])
         if state.step % cfg.checkpoint_every == 0 or state.step == total:
-            _save_checkpoint(checkpoint, model, opt, sched, state)
+            _save_checkpoint(checkpoint, model, opt, sched, state, recipe)
     model.eval()
     return state
 
@@ -236,11 +242,19 @@ def _logits_at(model: Any, ids: torch.Tensor, mask: torch.Tensor, on: torch.Tens
     return core.get_output_embeddings()(hidden[on]).float()
 
 
-def _save_checkpoint(path: Path, model: Any, opt: Any, sched: Any, state: TrainState) -> None:
+def _recipe(cfg: TrainConfig, num_samples: int) -> dict[str, Any]:
+    """What a checkpoint's training depends on: a resume must match it."""
+    keys = ("target", "drafter", "init", "init_layers", "copy_embeddings", "train_embeddings", "epochs",
+            "batch_size", "lr", "warmup_steps", "weight_decay", "max_len", "kl_weight", "lora_rank", "seed", "dtype")
+    return {**{k: getattr(cfg, k) for k in keys}, "samples": num_samples}
+
+
+def _save_checkpoint(path: Path, model: Any, opt: Any, sched: Any, state: TrainState,
+                     recipe: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "step": state.step, "losses": state.losses}, tmp)
+                "step": state.step, "losses": state.losses, "recipe": recipe}, tmp)
     tmp.replace(path)  # atomic: an interruption never leaves a half-written checkpoint
 
 

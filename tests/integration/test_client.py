@@ -80,6 +80,26 @@ def test_api_fallback_is_recorded(target):
     assert [s.mode for s in final.stats.segments] == ["api"] and final.stats.fallbacks
 
 
+def test_verifier_killed_mid_request_falls_back_to_the_api_model(target, reference):
+    """No second verifier: the committed tokens stay, the API model continues, and the result says so."""
+    with LoopbackServer(target, config()) as a:
+        client = SpecClient(a.url, drafter=ModelDrafter(target), mode="edge", segment_tokens=4, retries=1,
+                            timeout=5, fallback_model="openai/fallback-model",
+                            api_kwargs={"mock_response": " and the rest"})
+        events = []
+        for ev in client.stream(MESSAGES, max_tokens=MAX):
+            events.append(ev)
+            if len(events) == 2:
+                a.server.should_exit = True
+                a.thread.join(timeout=10)
+    final = events[-1]
+    committed = len(final.tokens)  # the verified tokens; the API model's continuation is text only
+    assert sum(s.tokens for s in final.stats.segments if s.mode != "api") == committed  # the cut segment counts
+    assert committed >= 1 and final.tokens == reference[:committed]  # nothing lost or changed
+    assert final.text == target.tokenizer.decode(reference[:committed]) + " and the rest"  # nor duplicated
+    assert final.stats.segments[-1].mode == "api" and "VerifierUnavailable" in final.stats.fallbacks[0]
+
+
 def test_typed_error_without_fallback(target):
     with LoopbackServer(target, config()) as a:
         url = a.url

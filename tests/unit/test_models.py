@@ -103,6 +103,21 @@ def test_packed_linears_keep_the_weights_and_are_batch_invariant():
     assert torch.equal(fresh.model.lm_head.weight, lm.model.lm_head.weight)
 
 
+def test_resident_weight_bytes_counts_packed_copies():
+    stock = tiny_model(seed=3).model.cpu()
+    size = models.resident_weight_bytes(stock)
+    tensors = {t.data_ptr(): t for t in [*stock.parameters(), *stock.buffers()]}.values()
+    assert size == sum(t.numel() * t.element_size() for t in tensors)
+    packed = copy.deepcopy(stock)
+    models.pack_cpu_linears(packed)
+    assert models.resident_weight_bytes(packed) == size  # fp32: the packed weight replaces the dense one
+    half = copy.deepcopy(stock).to(torch.bfloat16)
+    models.pack_cpu_linears(half)
+    linear = sum(m.in_features * m.out_features for m in half.modules() if isinstance(m, models.PackedLinear))
+    extra = 4 * linear if any(m.dense is not None for m in half.modules() if isinstance(m, models.PackedLinear)) else 0
+    assert models.resident_weight_bytes(half) == size // 2 + extra
+
+
 def test_half_precision_linears_pack_as_an_fp32_upcast_where_the_cpu_lacks_kernels():
     lin = torch.nn.Linear(64, 96, dtype=torch.bfloat16)
     packed = models.PackedLinear(lin)

@@ -81,4 +81,7 @@ def test_interrupted_training_resumes_to_the_same_loss(tmp_path, target):
     assert resumed["final_loss"] == pytest.approx(full["final_loss"], rel=1e-4, abs=1e-5)
     assert resumed["losses"] == pytest.approx(full["losses"], rel=1e-4, abs=1e-5)
     assert set(full["train_ids"]).isdisjoint(full["heldout_ids"])
+    part = run_training(config(tmp_path, "changed", epochs=4), target=target, stop_after=1)
+    with pytest.raises(ValueError, match="different training run"):  # another recipe must not resume it
+        run_training(config(tmp_path, "changed", epochs=5), target=target)
     assert full["after"]["by_k"][2]["identical_to_plain"]
