@@ -31,6 +31,7 @@ from agentspec.transport import HTTPTransport, ResendPrefix, VerifierError, Veri
 from agentspec.types import SamplingParams
 
 MODES = ("auto", "edge", "server", "server-ar", "api")
+SERVER_DRAFTERS = ("default", "model", "ngram")  # what the verifier drafts with in server mode (Generate.drafter)
 
 
 @dataclass
@@ -221,15 +222,21 @@ class SpecClient:
     a litellm model id used when no verifier is reachable (its continuation comes from another model;
     recorded in the statistics). ``log_path``: opt-in request log (chat JSONL with the answers) that
     ``agentspec train --data LOG`` distils a drafter on — a deployment retrains on its own traffic.
+    ``server_drafter``: what the verifier drafts with in server mode — ``"default"`` (grammar + copy + its
+    ``--draft-model``), ``"model"`` (that model alone) or ``"ngram"`` (prompt lookup).
     """
 
     def __init__(self, base_urls: str | Sequence[str] | None = None, *, api_key: str | None = None,
                  drafter: Drafter | None = None, tokenizer: Any = None, num_draft_tokens: int = 4,
                  mode: str = "auto", fallback_model: str | None = None, timeout: float = 60.0, retries: int = 2,
                  segment_tokens: int = 16, preview: bool = False, policy: ModePolicy | None = None,
-                 api_kwargs: dict[str, Any] | None = None, log_path: str | os.PathLike | None = None) -> None:
+                 api_kwargs: dict[str, Any] | None = None, log_path: str | os.PathLike | None = None,
+                 server_drafter: str = "default") -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if server_drafter not in SERVER_DRAFTERS:
+            raise ValueError(f"server_drafter must be one of {SERVER_DRAFTERS}, got {server_drafter!r}")
+        self.server_drafter = server_drafter
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         if segment_tokens < 1:
@@ -354,8 +361,7 @@ class SpecClient:
         t = self._ensure_session(run)
         seg = SegmentStats(mode, 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions))
         t0 = time.perf_counter()
-        body = {"base_len": len(run.tokens), "mode": mode, "sampling": run.sampling_body(),
-                "max_new_tokens": min(self.segment_tokens, run.max_tokens - run.generated)}
+        body = self._generate_body(run, mode)
         try:
             for r in t.stream_lines(f"/v1/spec/sessions/{run.sid}/generate", body):
                 yield from self._commit(run, seg, r.body, r.wall_s, 0.0)
@@ -399,8 +405,7 @@ class SpecClient:
         t = await self._aensure_session(run)
         seg = SegmentStats(mode, 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions))
         t0 = time.perf_counter()
-        body = {"base_len": len(run.tokens), "mode": mode, "sampling": run.sampling_body(),
-                "max_new_tokens": min(self.segment_tokens, run.max_tokens - run.generated)}
+        body = self._generate_body(run, mode)
         try:
             async for r in t.astream_lines(f"/v1/spec/sessions/{run.sid}/generate", body):
                 for ev in self._commit(run, seg, r.body, r.wall_s, 0.0):
@@ -475,6 +480,13 @@ class SpecClient:
                                   wall_s=wall_s, server_s=server_s, verify_s=timings.get("verify_ms", 0.0) / 1e3,
                                   draft_s=draft_s, load=reply.get("load"))
         return run.apply(reply)
+
+    def _generate_body(self, run: _Run, mode: str) -> dict[str, Any]:
+        body = {"base_len": len(run.tokens), "mode": mode, "sampling": run.sampling_body(),
+                "max_new_tokens": min(self.segment_tokens, run.max_tokens - run.generated)}
+        if mode == "server" and self.server_drafter != "default":
+            body["drafter"] = self.server_drafter
+        return body
 
     def _segment_done(self, run: _Run, seg: SegmentStats, t0: float) -> None:
         seg.wall_s = time.perf_counter() - t0

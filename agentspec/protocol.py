@@ -190,8 +190,9 @@ class Generate(_Strict):
     max_new_tokens: int = Field(256, ge=1)
     num_draft_tokens: int | None = Field(None, ge=0)
     sampling: Sampling = Field(default_factory=Sampling)
-    # server mode's drafter: "default" combines grammar, copy and the --draft-model; "model" is that model alone
-    drafter: Literal["default", "model"] = "default"
+    # server mode's drafter: "default" combines grammar, copy and the --draft-model (a token tree); "model" is
+    # that model alone; "ngram" is prompt lookup (a chain: what the router's closed forms describe)
+    drafter: Literal["default", "model", "ngram"] = "default"
 
     def check_against(self, vocab_size: int, max_draft_tokens: int) -> None:
         _check_vocab(self.new_tokens, vocab_size, "new_tokens")

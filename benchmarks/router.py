@@ -59,7 +59,7 @@ DRAFTERS: dict[str, Callable[[], Drafter]] = {
     "ngram": lambda: NgramDrafter(max_ngram=3, min_ngram=1),  # prompt lookup, longest match up to 3 tokens
     "ngram-1": lambda: NgramDrafter(max_ngram=1, min_ngram=1),  # unigram lookup: a weaker copy drafter
 }
-SERVER_DRAFTER = "ngram"
+SERVER_DRAFTER = "ngram"  # server mode's drafter (Generate.drafter); DRAFTERS["ngram"] == the server's NgramDrafter()
 TINY = {"tiny-a": (2, 64), "tiny-b": (4, 256)}  # --quick targets: (layers, hidden) of a random Llama
 
 
@@ -89,7 +89,8 @@ class Verifier(LocalVerifier):
 def make_client(url: str, mode: str, drafter: str | None, args: argparse.Namespace) -> SpecClient:
     policy = router.ModePolicy(has_drafter=drafter is not None, edge=FixedDraftLength())
     return SpecClient(url, drafter=DRAFTERS[drafter]() if drafter else None, num_draft_tokens=args.gamma,
-                      mode=mode, segment_tokens=args.segment_tokens, policy=policy, timeout=600, retries=0)
+                      mode=mode, segment_tokens=args.segment_tokens, policy=policy, timeout=600, retries=0,
+                      server_drafter=SERVER_DRAFTER)  # the verifier drafts chains with the replayed drafter
 
 
 def request(client: SpecClient, prompt: common.Prompt, max_new: int) -> dict[str, Any]:

@@ -178,7 +178,7 @@ def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint:
         sched.step()
         state.step += 1
         ran += 1
-        state.losses.append(float(loss))
+        state.losses.append(float(loss.detach()))
         if progress:
             progress(state.step, total, state.losses[-1])
         if state.step % cfg.checkpoint_every == 0 or state.step == total:

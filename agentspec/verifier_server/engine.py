@@ -27,6 +27,7 @@ from agentspec import models
 from agentspec.drafters.base import DraftContext, Drafter, observed_acceptance, propose_round
 from agentspec.drafters.copy import LEAD, SuffixIndex
 from agentspec.drafters.model import ModelDrafter
+from agentspec.drafters.ngram import NgramDrafter
 from agentspec.drafters.tree import default_drafter
 from agentspec.protocol import (
     BASE_LEN_MISMATCH,
@@ -236,8 +237,11 @@ class VerifierEngine:
                 if session.drafter is None or session.drafter_kind != req.drafter:
                     # kept on the session: its KV cache follows later turns too
                     model = ModelDrafter(self.draft_model) if self.draft_model is not None else None
-                    session.drafter = model if req.drafter == "model" else default_drafter(
-                        self.target.tokenizer, model, self.copy_index, self.verify_costs)
+                    if req.drafter == "ngram":
+                        session.drafter = NgramDrafter()
+                    else:
+                        session.drafter = model if req.drafter == "model" else default_drafter(
+                            self.target.tokenizer, model, self.copy_index, self.verify_costs)
                     session.drafter_kind = req.drafter
                 drafter = session.drafter
                 policy = self.policies.get(name) if req.num_draft_tokens is None else None

@@ -78,7 +78,7 @@ def _server_mode(client: httpx.Client, prompt: list[int], **extra) -> httpx.Resp
         return [json.loads(line) for line in r.iter_lines() if line]
 
 
-@pytest.mark.parametrize("drafter", ["default", "model"])
+@pytest.mark.parametrize("drafter", ["default", "model", "ngram"])
 def test_server_mode_drafter_choice_is_lossless(target, wrong_drafter_model, references, drafter):
     """A server with --draft-model: the combined drafter and the model alone both give plain greedy."""
     with LoopbackServer(target, config(), draft_model=wrong_drafter_model) as srv, \
