@@ -25,13 +25,13 @@ from agentspec.drafters.base import DraftContext, Drafter, propose_round, rememb
 from agentspec.drafters.copy import CopyDrafter, SuffixIndex
 from agentspec.drafters.grammar import GrammarDrafter
 from agentspec.drafters.tree import TreeDrafter
+from agentspec.protocol import SERVER_DRAFTERS
 from agentspec.router import ModePolicy
 from agentspec.toolcalls import ToolCallParser
 from agentspec.transport import HTTPTransport, ResendPrefix, VerifierError, VerifierUnavailable
 from agentspec.types import SamplingParams
 
 MODES = ("auto", "edge", "server", "server-ar", "api")
-SERVER_DRAFTERS = ("default", "model", "ngram")  # what the verifier drafts with in server mode (Generate.drafter)
 
 
 @dataclass
@@ -346,12 +346,9 @@ class SpecClient:
         t0 = time.perf_counter()
         try:
             while run.finish is None and seg.tokens < self.segment_tokens:
-                left = run.max_tokens - run.generated - 1  # no draft at all with one token left (k = -1)
-                draft, draft_s, preview = run.draft(min(self.policy.gamma("edge", self.num_draft_tokens), left)
-                                                    if left > 0 else -1)
+                body, draft_s, preview = self._edge_round(run)
                 if preview:
                     yield PreviewEvent(preview)
-                body = {"base_len": len(run.tokens), "draft": draft, "sampling": run.sampling_body()}
                 r = t.post(f"/v1/spec/sessions/{run.sid}/rounds", body)
                 yield from self._commit(run, seg, r.body, r.wall_s, draft_s)
         finally:  # a segment cut short by a failing verifier still reports the tokens it committed
@@ -389,12 +386,9 @@ class SpecClient:
         t0 = time.perf_counter()
         try:
             while run.finish is None and seg.tokens < self.segment_tokens:
-                left = run.max_tokens - run.generated - 1  # no draft at all with one token left (k = -1)
-                draft, draft_s, preview = run.draft(min(self.policy.gamma("edge", self.num_draft_tokens), left)
-                                                    if left > 0 else -1)
+                body, draft_s, preview = self._edge_round(run)
                 if preview:
                     yield PreviewEvent(preview)
-                body = {"base_len": len(run.tokens), "draft": draft, "sampling": run.sampling_body()}
                 r = await t.apost(f"/v1/spec/sessions/{run.sid}/rounds", body)
                 for ev in self._commit(run, seg, r.body, r.wall_s, draft_s):
                     yield ev
@@ -480,6 +474,13 @@ class SpecClient:
                                   wall_s=wall_s, server_s=server_s, verify_s=timings.get("verify_ms", 0.0) / 1e3,
                                   draft_s=draft_s, load=reply.get("load"))
         return run.apply(reply)
+
+    def _edge_round(self, run: _Run) -> tuple[dict[str, Any], float, str]:
+        """Draft locally for the next edge round: (request body, drafting seconds, preview text)."""
+        left = run.max_tokens - run.generated - 1  # no draft at all with one token left (k = -1)
+        draft, draft_s, preview = run.draft(min(self.policy.gamma("edge", self.num_draft_tokens), left)
+                                            if left > 0 else -1)
+        return {"base_len": len(run.tokens), "draft": draft, "sampling": run.sampling_body()}, draft_s, preview
 
     def _generate_body(self, run: _Run, mode: str) -> dict[str, Any]:
         body = {"base_len": len(run.tokens), "mode": mode, "sampling": run.sampling_body(),

@@ -235,15 +235,12 @@ def restrict_output_vocab(model: torch.nn.Module, token_ids: Sequence[int]) -> N
         raise ValueError(f"a reduced vocabulary needs token ids in [0, {full}), got {len(ids)} ids "
                          f"spanning [{ids[0] if ids else None}, {ids[-1] if ids else None}]")
     index = torch.tensor(ids, dtype=torch.long, device=head.weight.device)
+    small = torch.nn.Linear(head.weight.shape[1], len(ids), bias=head.bias is not None, device=index.device,
+                            dtype=head.weight.dtype)
     with torch.no_grad():
-        weight = head.weight.detach().index_select(0, index).clone()
-        bias = None if head.bias is None else head.bias.detach().index_select(0, index).clone()
-    small = torch.nn.Linear(weight.shape[1], len(ids), bias=bias is not None, device=weight.device,
-                            dtype=weight.dtype)
-    with torch.no_grad():
-        small.weight.copy_(weight)
-        if bias is not None:
-            small.bias.copy_(bias)
+        small.weight.copy_(head.weight.index_select(0, index))
+        if head.bias is not None:
+            small.bias.copy_(head.bias.index_select(0, index))
     model.set_output_embeddings(small)
     model.config.tie_word_embeddings = False  # the head is its own (smaller) matrix now
     model.agentspec_token_map = index

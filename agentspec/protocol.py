@@ -27,7 +27,7 @@ against the server's limits) are :meth:`VerifyRound.check_against` / :meth:`Open
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -181,6 +181,10 @@ class VerifyRound(_Strict):
             _check_vocab(dist.ids, vocab_size, f"draft.q[{i}].ids")
 
 
+ServerDrafter = Literal["default", "model", "ngram"]
+SERVER_DRAFTERS: tuple[str, ...] = get_args(ServerDrafter)
+
+
 class Generate(_Strict):
     """Server-side generation on a session: co-located speculation (``server``) or plain decoding."""
 
@@ -192,7 +196,7 @@ class Generate(_Strict):
     sampling: Sampling = Field(default_factory=Sampling)
     # server mode's drafter: "default" combines grammar, copy and the --draft-model (a token tree); "model" is
     # that model alone; "ngram" is prompt lookup (a chain: what the router's closed forms describe)
-    drafter: Literal["default", "model", "ngram"] = "default"
+    drafter: ServerDrafter = "default"
 
     def check_against(self, vocab_size: int, max_draft_tokens: int) -> None:
         _check_vocab(self.new_tokens, vocab_size, "new_tokens")

@@ -63,7 +63,7 @@ class ModelDrafter:
         probs: list[SparseDist | None] = []
         parent = -1
         for _ in range(k):
-            logits = self._full_logits(models.forward(self.model, feed, self._cache, num_logits=1)[-1])
+            logits = models.forward(self.model, feed, self._cache, num_logits=1)[-1]  # [head rows]
             self._cached.extend(feed)
             picked, dist = self._pick(logits, ctx)
             node = len(tokens)
@@ -87,13 +87,15 @@ class ModelDrafter:
         if self._token_map is None:
             return logits
         full = logits.new_full((self._full_vocab,), float("-inf"))
-        full[self._token_map.to(logits.device)] = logits
+        full[self._token_map.to(logits.device)] = logits  # a no-op unless the model moved devices
         return full
 
     def _pick(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[list[int], SparseDist | None]:
         """The chain token first, then sibling leaves; and the proposal they were drawn from."""
         if ctx.sampling.greedy:
-            return torch.topk(logits, self.tree_width).indices.tolist(), None
+            top = torch.topk(logits, self.tree_width).indices
+            return (top if self._token_map is None else self._token_map[top.to(self._token_map.device)]).tolist(), None
+        logits = self._full_logits(logits)  # penalties and processors index by token id
         probs = sampling_probs(logits, ctx.sampling)
         top = torch.topk(probs, min(self.proposal_top_k, probs.shape[-1]))
         kept = top.values / top.values.sum()  # the truncated proposal actually sampled from

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import os
@@ -154,8 +155,8 @@ def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint:
     recipe = _recipe(cfg, len(samples))
     if checkpoint.exists():
         saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        changed = {k: (saved.get("recipe", {}).get(k), v) for k, v in recipe.items()
-                   if saved.get("recipe", {}).get(k) != v}
+        before = saved.get("recipe", {})
+        changed = {k: (before.get(k), v) for k, v in recipe.items() if before.get(k) != v}
         if changed:  # resuming another run's optimiser state and schedule would silently train something else
             raise ValueError(f"{checkpoint} was written by a different training run ({changed}: saved, now); "
                              "use another --output, or delete the checkpoint to start over")
@@ -272,8 +273,8 @@ def draft_vocabulary(samples: Sequence[Sample], size: int, vocab_size: int, alwa
     responses = Counter(t for s in samples for t in s.response_ids)
     prompts = Counter(t for s in samples for t in s.prompt_ids)
     chosen: dict[int, None] = {}
-    for t in [*always, *(t for t, _ in responses.most_common()), *(t for t, _ in prompts.most_common()),
-              *range(vocab_size)]:
+    for t in itertools.chain(always, (t for t, _ in responses.most_common()), (t for t, _ in prompts.most_common()),
+                             range(vocab_size)):
         if len(chosen) >= size:
             break
         if 0 <= t < vocab_size:

@@ -236,13 +236,7 @@ class VerifierEngine:
                                         'use "default"', param="drafter")
                 if session.drafter is None or session.drafter_kind != req.drafter:
                     # kept on the session: its KV cache follows later turns too
-                    model = ModelDrafter(self.draft_model) if self.draft_model is not None else None
-                    if req.drafter == "ngram":
-                        session.drafter = NgramDrafter()
-                    else:
-                        session.drafter = model if req.drafter == "model" else default_drafter(
-                            self.target.tokenizer, model, self.copy_index, self.verify_costs)
-                    session.drafter_kind = req.drafter
+                    session.drafter, session.drafter_kind = self._server_drafter(req.drafter), req.drafter
                 drafter = session.drafter
                 policy = self.policies.get(name) if req.num_draft_tokens is None else None
             while True:
@@ -253,6 +247,15 @@ class VerifierEngine:
                 yield reply
                 if reply.finished:
                     return
+
+    def _server_drafter(self, kind: str) -> Drafter:
+        """A new server-mode drafter of ``kind`` (``Generate.drafter``)."""
+        if kind == "ngram":
+            return NgramDrafter()
+        model = ModelDrafter(self.draft_model) if self.draft_model is not None else None
+        if kind == "model" and model is not None:
+            return model
+        return default_drafter(self.target.tokenizer, model, self.copy_index, self.verify_costs)
 
     # -- the model thread --------------------------------------------------------------------------
 
