@@ -24,6 +24,7 @@ from typing import Any
 from agentspec.drafters.base import DraftContext, Drafter, propose_round, remember_output
 from agentspec.drafters.copy import CopyDrafter, SuffixIndex
 from agentspec.drafters.grammar import GrammarDrafter
+from agentspec.drafters.ngram import NgramDrafter
 from agentspec.drafters.tree import TreeDrafter
 from agentspec.protocol import SERVER_DRAFTERS
 from agentspec.router import ModePolicy
@@ -258,6 +259,7 @@ class SpecClient:
         self.timeout = timeout
         self.api_kwargs = dict(api_kwargs or {})  # extra litellm arguments (api_base, mock_response in tests, ...)
         self.policy = policy or ModePolicy(has_drafter=drafter is not None, has_api=fallback_model is not None)
+        self._attach_shadows()
         self._torch_generator = None
         self.log_path = log_path  # opt-in: one JSON line per finished request, for `agentspec train --data`
 
@@ -337,7 +339,7 @@ class SpecClient:
     def _ensure_session(self, run: _Run) -> HTTPTransport:
         t = self.transports[run.verifier]
         if run.sid is None:
-            run.opened(t.post("/v1/spec/sessions", run.open_body()).body)
+            self._opened(run, t.post("/v1/spec/sessions", run.open_body()))
         return t
 
     def _edge_segment(self, run: _Run) -> Iterator[Any]:
@@ -377,7 +379,7 @@ class SpecClient:
     async def _aensure_session(self, run: _Run) -> HTTPTransport:
         t = self.transports[run.verifier]
         if run.sid is None:
-            run.opened((await t.apost("/v1/spec/sessions", run.open_body())).body)
+            self._opened(run, await t.apost("/v1/spec/sessions", run.open_body()))
         return t
 
     async def _aedge_segment(self, run: _Run) -> AsyncIterator[Any]:
@@ -489,13 +491,31 @@ class SpecClient:
             body["drafter"] = self.server_drafter
         return body
 
+    def _opened(self, run: _Run, reply: Any) -> None:
+        run.opened(reply.body)
+        self.policy.observe_open(reply.wall_s, reply.body.get("prefill_ms", 0.0) / 1e3)
+
+    def _attach_shadows(self) -> None:
+        """Give the router the chain drafters it can replay over committed text for free (n-gram lookups
+        as configured here and on the server), so it judges those modes on the same text as the one it runs."""
+        p = self.policy
+        p.gamma_max, p.segment_tokens = self.num_draft_tokens, self.segment_tokens
+        d = self.drafter
+        if "edge" not in p.shadows and self.tool_drafter is None and type(d) is NgramDrafter and d.max_candidates == 1:
+            p.shadows["edge"] = NgramDrafter(d.max_ngram, d.min_ngram)
+        if "server" not in p.shadows and self.server_drafter == "ngram":
+            p.shadows["server"] = NgramDrafter()  # what the verifier builds for Generate.drafter "ngram"
+
     def _segment_done(self, run: _Run, seg: SegmentStats, t0: float) -> None:
         seg.wall_s = time.perf_counter() - t0
         if not seg.tokens and not seg.rounds:
             return  # failed before committing anything: nothing to report or learn from
         run.stats.segments.append(seg)
         if seg.tokens:
-            self.policy.observe_segment(seg.mode, seg.wall_s / seg.tokens)
+            self.policy.observe_segment(seg.mode, seg.wall_s / seg.tokens, tokens=seg.tokens, rounds=seg.rounds,
+                                        drafted=seg.drafted, server_s=seg.server_s, draft_s=seg.draft_s)
+            if run.mode == "auto":
+                self.policy.observe_text(run.tokens, len(run.prompt), len(run.tokens) - seg.tokens)
 
     def _failover(self, run: _Run, error: VerifierError) -> None:
         """Continue elsewhere with the committed tokens: another verifier, then the fallback API model."""

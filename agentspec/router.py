@@ -8,15 +8,19 @@ local draft seconds per token, ``t_ds`` server-side draft seconds per token, ``r
   :func:`edge_cost`, :func:`pipelined_edge_cost`), :func:`break_even_rtt`, :func:`capacity_ratio`;
 * :class:`CostCurve`: t_v(γ) measured online (EMA per γ), seeded by a calibration curve;
 * :class:`AcceptanceEstimator`: per-position conditional acceptance with a shrinkage prior;
-* :class:`DraftLengthPolicy`: picks γ for the next round, maximising expected tokens per second.
+* :class:`DraftLengthPolicy`: picks γ for the next round, maximising expected tokens per second;
+* :func:`replay_chain`: a chain drafter's rounds over known output (shadow acceptance, calibration);
+* :class:`ModePolicy`: picks each segment's mode from the closed forms fed with the estimates above.
 
 Everything here is plain Python (no torch), so the client can use it without loading a model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # ---- closed forms ------------------------------------------------------------------------------------
 
@@ -146,6 +150,39 @@ class CostCurve:
 
 
 @dataclass
+class LinearCost:
+    """``t_v(γ) ≈ a + b·γ`` fitted by least squares over every observed pass, older ones decayed by
+    ``decay`` per observation. Pooling all draft lengths is far less noisy than one average per γ when
+    a 2-core CPU's pass times scatter by 10-20 %; with a single γ observed it is a flat line."""
+
+    decay: float = 0.97
+    _w: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+    observed: dict[int, float] = field(default_factory=dict)  # latest value per γ, for reports
+
+    def observe(self, gamma: int, seconds: float) -> None:
+        """Record one decode pass with ``gamma`` draft tokens that took ``seconds``."""
+        if gamma < 0 or seconds <= 0:
+            return
+        d = self.decay
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + gamma, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + gamma * gamma, d * self._xy + gamma * seconds
+        self.observed[gamma] = seconds
+
+    def seconds(self, gamma: float) -> float | None:
+        """Estimated seconds of a pass with ``gamma`` draft tokens, or None before any observation."""
+        if self._w <= 0:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        slope = max((self._xy / self._w - mx * my) / var, 0.0) if var > 1e-9 else 0.0
+        return max(my + slope * (gamma - mx), 1e-9)
+
+
+@dataclass
 class AcceptanceEstimator:
     """Per-position conditional acceptance ``c_i = P(position i accepted | position i reached)``.
 
@@ -252,20 +289,86 @@ class DraftLengthPolicy:
 
 
 @dataclass
-class ModePolicy:
-    """Picks the mode of the next segment of a request from measured costs (design.md's modes).
+class ChainReplay:
+    """A chain drafter's round loop replayed over output that is already known (under greedy decoding the
+    real run takes exactly this path): rounds, tokens, draft lengths, accepted drafts, drafting time."""
 
-    * Each mode's seconds per committed token is tracked from finished segments (EMA). A mode with no
-      measurement yet is tried first (optimistic start). A mode not used for ``probe_every`` segments is
-      probed so its estimate stays fresh; a probe that finds the mode clearly worse (by more than
-      ``probe_margin``) doubles that mode's probe interval, up to ``max_probe_every`` (probing a mode that
-      costs 3x the best one is itself a cost); a probe that finds it competitive resets the interval.
-    * Edge mode's γ comes from its own :class:`DraftLengthPolicy`, whose cost per round is the round's
-      wall time minus local drafting: RTT + t_v(γ) as the client sees it.
-    * A switch needs the challenger to be ``hysteresis`` cheaper than the current mode (no flapping).
-    * A saturated server (rounds waiting) makes server-side drafting cost extra (``busy_penalty``): edge
-      drafting saves the server the drafter's compute (capacity ratio ``1 + γ·t_ds/t_v``).
-    * ``api`` is never chosen automatically while a verifier works: it runs another model.
+    rounds: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    segments: int = 0
+    draft_s: float = 0.0
+    gammas: list[int] = field(default_factory=list)
+
+
+def replay_chain(drafter: Any, tokens: Sequence[int], prompt_len: int, start: int, gamma: int, *,
+                 segment: int | None = None, max_new: int | None = None) -> ChainReplay:
+    """Replay generating ``tokens[start:]`` after ``tokens[:start]`` with ``drafter`` (None: plain steps).
+
+    Each round drafts ``k = min(γ, max_new − done − 1, segment_left − 1)`` tokens (``max_new``/``segment``
+    when given, as the client and server cap them), accepts the longest matching prefix and commits it
+    plus one token; a segment ends its last round at its boundary, as server mode does."""
+    from agentspec.drafters.base import DraftContext
+
+    if not 0 <= prompt_len <= start <= len(tokens):
+        raise ValueError(f"need 0 <= prompt_len ({prompt_len}) <= start ({start}) <= len(tokens) ({len(tokens)})")
+    out, done, total = ChainReplay(), 0, len(tokens) - start
+    left = segment
+    while done < total:
+        caps = [gamma] + ([max_new - done - 1] if max_new else []) + ([left - 1] if segment else [])
+        k = max(min(caps), 0)
+        draft: tuple[int, ...] = ()
+        if drafter is not None and k:
+            t0 = time.perf_counter()
+            proposal = drafter.propose(DraftContext(list(tokens[:start + done]), prompt_len), k)
+            out.draft_s += time.perf_counter() - t0
+            if proposal.is_tree:
+                raise ValueError("replay_chain needs a chain drafter (it proposed a tree)")
+            draft = tuple(proposal.tokens)
+        acc = 0
+        while acc < len(draft) and done + acc < total and draft[acc] == tokens[start + done + acc]:
+            acc += 1
+        emit = min(acc + 1, total - done, left if segment else total)
+        done += emit
+        out.rounds += 1
+        out.drafted += len(draft)
+        out.accepted += min(acc, emit)
+        out.gammas.append(len(draft))
+        if segment:
+            left -= emit
+            if left == 0 or done == total:
+                out.segments, left = out.segments + 1, segment
+    out.tokens = total
+    return out
+
+
+@dataclass
+class ModePolicy:
+    """Picks the mode of the next segment of a request (design.md's modes) from the closed forms.
+
+    Each mode's seconds per token is predicted from round-level estimates, all measured online:
+
+    * edge: ``(γ̄·t_d + RTT + t_v(γ̄)) / E[A]``; server: ``RTT / S + (γ̄·t_ds + t_v(γ̄)) / E[A]`` (one round
+      trip per streamed segment of ``S`` tokens); server-ar: ``RTT / S + t_v(0)``;
+    * ``t_v(γ)`` (a line fitted over every reported pass, :class:`LinearCost`) and ``t_ds`` from the
+      server's reported timings, ``t_d`` from local drafting, RTT from the
+      rounds (wall − server compute) and session opens (they keep it current while no edge round runs);
+    * ``E[A]`` and ``γ̄`` per mode from **shadow replays**: after every segment, each cheap chain drafter
+      the client could use (its n-gram edge drafter, the server's n-gram drafter) is replayed over the
+      tokens just committed (:func:`replay_chain`), so every mode is judged on the *same* text — segment
+      costs are dominated by how predictable the text is, and modes run on different segments are not
+      comparable. A mode without a shadow takes ``E[A]`` from its own rounds;
+    * a per-mode correction, EMA of measured / predicted time for the segments it ran (with that segment's
+      own rounds), absorbs what the closed forms leave out (HTTP and JSON per round, bookkeeping).
+
+    Until a mode's inputs exist its measured seconds per token (EMA) stands in; a mode never run is tried
+    first. Modes whose inputs are all observable without running them (shadowed, or server-ar) are never
+    probed; the others are probed every ``probe_every`` segments, backing off (doubling, up to
+    ``max_probe_every``) while probes find them worse by more than ``probe_margin``. A switch needs the
+    challenger ``hysteresis`` cheaper (no flapping). A saturated server (rounds waiting) makes server-side
+    drafting cost ``busy_penalty`` more: edge drafting saves the server the drafter's compute. ``api`` is
+    never chosen automatically while a verifier works: it runs another model.
     """
 
     has_drafter: bool = True
@@ -276,6 +379,9 @@ class ModePolicy:
     probe_margin: float = 0.25
     busy_penalty: float = 1.25
     ema: float = 0.3
+    correction_ema: float = 0.15  # slower: one segment's wall time scatters by 10-20 % on a busy CPU
+    gamma_max: int = 4  # γ of the shadow replays (the client sets its num_draft_tokens)
+    segment_tokens: int = 16  # S (the client sets its segment_tokens)
     seconds_per_token: dict[str, float] = field(default_factory=dict)
     last_used: dict[str, int] = field(default_factory=dict)
     last_predictions: dict[str, float] = field(default_factory=dict)
@@ -286,21 +392,31 @@ class ModePolicy:
     probe_interval: dict[str, int] = field(default_factory=dict)  # per mode; backs off while probes lose
     probing: str | None = None  # the mode of the segment in flight, when it is a probe
     last_probe: int = 0
-    server_costs: CostCurve = field(default_factory=CostCurve)  # server-reported t_v(γ)
-    alpha: dict[str, float] = field(default_factory=dict)  # per mode, accepted / drafted (EMA)
+    server_costs: LinearCost = field(default_factory=LinearCost)  # server-reported t_v(γ), fitted
+    shadows: dict[str, Any] = field(default_factory=dict)  # mode -> chain drafter replayed over committed text
+    per_round: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (E[A], γ̄), EMA
+    correction: dict[str, float] = field(default_factory=dict)  # mode -> measured / predicted, EMA
     rtt: float | None = None  # wall − server compute − local drafting, per edge round (EMA)
+    rtt_open: float | None = None  # the same per session open (EMA)
+    _rtt_open_at_edge: float | None = None
     t_ds: float | None = None  # server-side draft seconds per token (EMA)
+    t_d_shadow: float | None = None  # local draft seconds per token seen in the edge shadow (EMA)
 
     @property
     def modes(self) -> list[str]:
         return (["edge"] if self.has_drafter else []) + ["server", "server-ar"]
+
+    def _needs_probes(self, mode: str) -> bool:
+        """Whether ``mode``'s estimate only stays fresh by running it (no closed form from shared inputs)."""
+        judged_unrun = mode == "server-ar" or mode in self.shadows
+        return not judged_unrun or self.closed_form(mode) is None
 
     def choose(self) -> str:
         """The mode for the next segment."""
         self.segments += 1
         untried = [m for m in self.modes if m not in self.seconds_per_token]
         self.last_predictions = {m: self.predicted(m) * 1e3 for m in self.modes}
-        due = [m for m in self.modes if m != self.current
+        due = [m for m in self.modes if m != self.current and self._needs_probes(m)
                and self.segments - self.last_used.get(m, 0) >= self.probe_interval.get(m, self.probe_every)]
         if self.segments - self.last_probe < self.probe_every:
             due = []  # at most one probe every probe_every segments, whatever the number of modes
@@ -320,38 +436,55 @@ class ModePolicy:
         return pick
 
     def predicted(self, mode: str) -> float:
-        """Expected seconds per token of ``mode`` now: measured when it has run, else the closed form."""
-        cost = self.seconds_per_token.get(mode)
+        """Expected seconds per token of ``mode`` now: the corrected closed form, else the measured EMA."""
+        cost = self.closed_form(mode)
         if cost is None:
-            cost = self.closed_form(mode) or 0.0
+            cost = self.seconds_per_token.get(mode, 0.0)
+        else:
+            cost *= self.correction.get(mode, 1.0)
         if mode == "server" and self.server_waiting > 0:
             cost *= self.busy_penalty
         return cost
 
-    def closed_form(self, mode: str, gamma: int = 4) -> float | None:
-        """design.md's formula for ``mode`` from the round-level estimates, or None while they are missing.
+    def network_s(self) -> float | None:
+        """The current round trip estimate: the edge rounds', moved by how session opens have moved since."""
+        if self.rtt is None:
+            return self.rtt_open
+        if self.rtt_open is None or self._rtt_open_at_edge is None:
+            return self.rtt
+        return max(self.rtt + self.rtt_open - self._rtt_open_at_edge, 0.0)
 
-        edge: ``(γ·t_d + RTT + t_v(γ)) / E[A]``; server: ``(γ·t_ds + t_v(γ)) / E[A]`` (its RTT is paid once
-        per streamed line, not per round); server-ar: ``t_ar`` (= t_v(0) on the server).
-        """
-        t_v = self.server_costs.seconds(gamma)
-        t_ar = self.server_costs.seconds(0)
-        if mode == "server-ar":
-            return t_ar
-        if t_v is None:
+    def _t_d(self) -> float:
+        return self.edge.draft_seconds_per_token or self.t_d_shadow or 0.0
+
+    def closed_form(self, mode: str, per_round: tuple[float, float] | None = None) -> float | None:
+        """design.md's seconds per token of ``mode`` (uncorrected), or None while an input is missing.
+
+        ``per_round``: (E[A], γ̄) to use instead of the mode's current estimate."""
+        rtt = self.network_s()
+        if rtt is None:
             return None
-        if mode == "edge" and self.rtt is not None:
-            alpha = self.alpha.get("edge")
-            if alpha is None:
-                return None
-            return edge_cost(alpha, gamma, self.edge.draft_seconds_per_token, t_v, self.rtt)
-        if mode == "server" and self.t_ds is not None and "server" in self.alpha:
-            return colocated_cost(self.alpha["server"], gamma, self.t_ds, t_v)
+        if mode == "server-ar":
+            t_ar = self.server_costs.seconds(0)
+            return None if t_ar is None else rtt / self.segment_tokens + t_ar
+        mean_accepted, gamma = per_round or self.per_round.get(mode, (0.0, 0.0))
+        t_v = self.server_costs.seconds(gamma)
+        if t_v is None or mean_accepted <= 0:
+            return None
+        if mode == "edge":
+            return (gamma * self._t_d() + rtt + t_v) / mean_accepted
+        if mode == "server" and self.t_ds is not None:
+            return rtt / self.segment_tokens + (gamma * self.t_ds + t_v) / mean_accepted
         return None
 
     def gamma(self, mode: str, k_max: int) -> int:
         """Draft length for the next edge round."""
         return self.edge.choose(k_max) if mode == "edge" else k_max
+
+    def observe_open(self, wall_s: float, server_s: float) -> None:
+        """A session open's wall time and the server's compute in it (prefill): tracks the round trip."""
+        rtt = max(wall_s - server_s, 0.0)
+        self.rtt_open = rtt if self.rtt_open is None else (1 - self.ema) * self.rtt_open + self.ema * rtt
 
     def observe_round(self, mode: str, drafted: int, accepted: int, emitted: int, *, wall_s: float,
                       server_s: float, verify_s: float, draft_s: float, load: dict | None = None) -> None:
@@ -360,20 +493,37 @@ class ModePolicy:
             self.server_waiting = int(load.get("waiting", 0))
         if verify_s > 0:
             self.server_costs.observe(drafted, verify_s)
-        if drafted:
-            a = accepted / drafted
-            self.alpha[mode] = a if mode not in self.alpha else (1 - self.ema) * self.alpha[mode] + self.ema * a
         if mode == "server" and drafted and server_s > verify_s:
             t = (server_s - verify_s) / drafted
             self.t_ds = t if self.t_ds is None else (1 - self.ema) * self.t_ds + self.ema * t
         if mode == "edge":
             rtt = max(wall_s - server_s, 0.0)
             self.rtt = rtt if self.rtt is None else (1 - self.ema) * self.rtt + self.ema * rtt
+            self._rtt_open_at_edge = self.rtt_open
             reached = min(drafted, accepted + 1)
             self.edge.observe(drafted, reached, accepted, max(wall_s, 1e-6), draft_s)
 
-    def observe_segment(self, mode: str, seconds_per_token: float) -> None:
-        """A finished segment's wall seconds per committed token in ``mode``."""
+    def observe_text(self, tokens: Sequence[int], prompt_len: int, start: int) -> None:
+        """Replay every shadow drafter over ``tokens[start:]`` (just committed, after ``tokens[:start]``)."""
+        if len(tokens) - start < 2:
+            return
+        for mode, drafter in self.shadows.items():
+            segment = None if mode == "edge" else len(tokens) - start
+            r = replay_chain(drafter, tokens, prompt_len, start, self.gamma_max, segment=segment)
+            self._per_round(mode, r.tokens / r.rounds, r.drafted / r.rounds)
+            if mode == "edge" and r.drafted:
+                t = r.draft_s / r.drafted
+                self.t_d_shadow = t if self.t_d_shadow is None else (1 - self.ema) * self.t_d_shadow + self.ema * t
+
+    def _per_round(self, mode: str, mean_accepted: float, gamma: float) -> None:
+        old = self.per_round.get(mode)
+        self.per_round[mode] = (mean_accepted, gamma) if old is None else (
+            (1 - self.ema) * old[0] + self.ema * mean_accepted, (1 - self.ema) * old[1] + self.ema * gamma)
+
+    def observe_segment(self, mode: str, seconds_per_token: float, *, tokens: int = 0, rounds: int = 0,
+                        drafted: int = 0, server_s: float = 0.0, draft_s: float = 0.0) -> None:
+        """A finished segment's wall seconds per committed token in ``mode`` (and, when known, its token,
+        round and draft counts and the server's and the drafter's seconds in it)."""
         if mode == self.probing and self.current is not None and self.current != mode:
             incumbent = self.predicted(self.current)
             interval = self.probe_interval.get(mode, self.probe_every)
@@ -383,3 +533,15 @@ class ModePolicy:
         old = self.seconds_per_token.get(mode)
         self.seconds_per_token[mode] = (seconds_per_token if old is None
                                         else (1 - self.ema) * old + self.ema * seconds_per_token)
+        rtt = self.network_s()
+        if not (tokens and rounds) or rtt is None or mode not in self.modes:
+            return
+        if mode not in self.shadows and mode != "server-ar":
+            self._per_round(mode, tokens / rounds, drafted / rounds)
+        # the closed form's time for this very segment: its rounds, the server's and drafter's seconds in it
+        predicted = server_s + draft_s + (rounds * rtt if mode == "edge" else rtt)
+        if predicted > 0:
+            ratio = min(max(seconds_per_token * tokens / predicted, 0.5), 3.0)
+            old_c = self.correction.get(mode)
+            w = self.correction_ema
+            self.correction[mode] = ratio if old_c is None else (1 - w) * old_c + w * ratio

@@ -6,11 +6,16 @@ drafters, 7 RTT points, 3 prompts × 32 tokens; estimated ~16 min on 2 idle core
 random model, 2 RTT points, ~30 s). Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default
 ``benchmarks/results/router.json``; ``--quick``: ``router_quick.json``).
 
-Flow, per target (model × dtype), all in one process, greedy, on BFCL tool-calling prompts:
+Flow, per target (model × dtype), all in one process, greedy, on BFCL tool-calling prompts — by default
+as step 2 of an agent loop (:func:`agent_step`: the target's own first answer is in the conversation, the
+call timed out, the user asks again), where prompt lookup has something to copy; ``--no-agent-step``
+measures the bare questions (n-gram E[A] ≈ 1.3 there, a break-even RTT of a few ms):
 
 1. load the target, render the prompts, fault in memory; the plain greedy reference of every prompt
    (transformers' ``generate``) and the logit path noise that judges bf16 divergences;
-2. calibration, apart from the sweep: the verify-cost curve t_v(k) (``t_ar = t_v(1)``); for each edge
+2. calibration, apart from the sweep: the verify-cost curve t_v(k) (``t_ar = t_v(1)``) as served — a line
+   through the verify times the server reports for every pass of the zero-delay calibration runs below
+   (the offline curve, passes back to back on a quiet model thread, is reported next to it); for each edge
    drafter and for the verifier's own drafter, a *replay* of the client's / server's round loop against
    the reference (no model, no network), which gives rounds, draft and accepted lengths (α, E[A]) and
    the draft time; and, through a zero-delay proxy on the warm-up prompt, each mode's per-round loopback
@@ -18,7 +23,8 @@ Flow, per target (model × dtype), all in one process, greedy, on BFCL tool-call
 3. the sweep: per RTT a :class:`~agentspec.delay_proxy.DelayProxy` with one-way delay RTT/2 in front of an
    in-process verifier; per prompt every fixed mode (``edge`` per drafter, ``server``, ``server-ar``) and
    ``auto`` (a fresh client per RTT and drafter, warmed until the router has measured every mode) run in
-   rotated order. Decode time is the sum of the client's segment wall times (session open and close left
+   rotated order, ``--reps`` times (default 2); the fastest repetition of each (mode, prompt) is kept, since
+   interference on a shared 2-core VM only ever adds time (every repetition is checked for losslessness). Decode time is the sum of the client's segment wall times (session open and close left
    out); end-to-end time is kept too;
 4. predictions from :mod:`agentspec.router`'s closed forms fed with the calibration, the break-even RTT
    (edge vs plain decoding on the server, predicted and interpolated from the measured curves), every
@@ -36,6 +42,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -73,11 +80,11 @@ class FixedDraftLength(router.DraftLengthPolicy):
 class Verifier(LocalVerifier):
     """agentspec-verifier's app over ``target`` on 127.0.0.1 (port 0), in this process; γ fixed."""
 
-    def __init__(self, target: models.LoadedModel, gamma: int) -> None:
+    def __init__(self, target: models.LoadedModel, gamma: int, thread: ThreadPoolExecutor) -> None:
         # one client at a time: a batching window would only add latency
         config = ServerConfig(served_model_name=target.name, default_num_draft_tokens=gamma, max_draft_tokens=gamma,
                               batch_window_s=0.0)
-        super().__init__(target, config)
+        super().__init__(target, config, executor=thread)
         self.engine.policies.clear()  # no adaptive γ: server mode drafts min(γ, tokens left - 1) every round
 
     def __enter__(self) -> Verifier:
@@ -86,8 +93,38 @@ class Verifier(LocalVerifier):
         return self
 
 
-def make_client(url: str, mode: str, drafter: str | None, args: argparse.Namespace) -> SpecClient:
-    policy = router.ModePolicy(has_drafter=drafter is not None, edge=FixedDraftLength())
+class RecordingPolicy(router.ModePolicy):
+    """The stock policy, also keeping every decode pass the server reports: (γ, verify seconds)."""
+
+    def __init__(self, passes: list[tuple[int, float]], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.passes = passes
+
+    def observe_round(self, mode: str, drafted: int, accepted: int, emitted: int, **kw: Any) -> None:
+        if kw.get("verify_s", 0.0) > 0:
+            self.passes.append((drafted, kw["verify_s"]))
+        super().observe_round(mode, drafted, accepted, emitted, **kw)
+
+
+def served_curve(passes: list[tuple[int, float]], gamma: int) -> dict[int, float]:
+    """t_v(k), k = γ + 1 = 1 … gamma + 1, as served: a least-squares line through the per-γ medians of the
+    passes (weighted by their counts). Offline passes run back to back on a quiet model thread; served
+    ones share the CPU with HTTP, JSON and the proxy, and the closed forms should see what serving costs."""
+    by_gamma: dict[int, list[float]] = {}
+    for g, sec in passes:
+        by_gamma.setdefault(g, []).append(sec)
+    pts = [(g, statistics.median(v), len(v)) for g, v in by_gamma.items()]
+    w = sum(n for _, _, n in pts)
+    mx, my = sum(g * n for g, _, n in pts) / w, sum(y * n for _, y, n in pts) / w
+    var = sum(n * (g - mx) ** 2 for g, _, n in pts)
+    slope = max(sum(n * (g - mx) * (y - my) for g, y, n in pts) / var, 0.0) if var else 0.0
+    return {g + 1: my + slope * (g - mx) for g in range(gamma + 1)}
+
+
+def make_client(url: str, mode: str, drafter: str | None, args: argparse.Namespace,
+                passes: list[tuple[int, float]] | None = None) -> SpecClient:
+    kwargs: dict[str, Any] = {"has_drafter": drafter is not None, "edge": FixedDraftLength()}
+    policy = router.ModePolicy(**kwargs) if passes is None else RecordingPolicy(passes, **kwargs)
     return SpecClient(url, drafter=DRAFTERS[drafter]() if drafter else None, num_draft_tokens=args.gamma,
                       mode=mode, segment_tokens=args.segment_tokens, policy=policy, timeout=600, retries=0,
                       server_drafter=SERVER_DRAFTER)  # the verifier drafts chains with the replayed drafter
@@ -128,13 +165,16 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 # ---- calibration and the sweep -----------------------------------------------------------------------
 
 
-def overheads(port: int, warm: common.Prompt, args: argparse.Namespace) -> dict[str, float]:
-    """Seconds per round each mode spends outside model compute and local drafting, at zero added delay."""
+def overheads(port: int, warm: common.Prompt, args: argparse.Namespace, passes: list[tuple[int, float]]
+              ) -> dict[str, float]:
+    """Seconds per round each mode spends outside model compute and local drafting, at zero added delay;
+    every timed decode pass the server reports goes into ``passes``."""
     out = {}
     with DelayProxy("127.0.0.1", port, one_way_delay_s=0.0) as proxy:
         for name, mode, drafter in fixed_modes(args.drafters):
             client = make_client(f"http://127.0.0.1:{proxy.port}", mode, drafter, args)
             request(client, warm, args.max_new_tokens)  # warm-up
+            client.policy = RecordingPolicy(passes, has_drafter=drafter is not None, edge=FixedDraftLength())
             r = [request(client, warm, args.max_new_tokens) for _ in range(args.overhead_reps)]
             client.close()
             out[name] = statistics.median((x["decode_s"] - x["server_s"] - x["draft_s"]) / x["rounds"] for x in r)
@@ -166,17 +206,30 @@ def sweep_point(port: int, rtt_ms: float, prompts: list[common.Prompt], warm: co
             clients[f"auto:{d}"] = make_client(url, "auto", d, args)
             warm_requests[d] = warm_auto(clients[f"auto:{d}"], warm, args.max_new_tokens)
         names = list(clients)
+        every: dict[str, list[dict]] = {n: [] for n in names}
         runs: dict[str, list[dict]] = {n: [] for n in names}
-        for i, prompt in enumerate(prompts):  # modes interleaved, order rotated per prompt
-            for name in names[i % len(names):] + names[:i % len(names)]:
-                runs[name].append(request(clients[name], prompt, args.max_new_tokens))
+        for i, prompt in enumerate(prompts):  # modes interleaved, order rotated per prompt and repetition
+            tries: dict[str, list[dict]] = {n: [] for n in names}
+            for rep in range(args.reps):
+                shift = (i + rep) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    tries[name].append(request(clients[name], prompt, args.max_new_tokens))
+            for name in names:  # the fastest repetition: interference on a shared 2-core VM only adds time
+                every[name] += tries[name]
+                runs[name].append(min(tries[name], key=lambda r: r["decode_s"]))
         routers = {d: {"warm_requests": warm_requests[d], "segments": clients[f"auto:{d}"].policy.segments,
+                       "shadowed_modes": sorted(clients[f"auto:{d}"].policy.shadows),
+                       "probed_modes": [m for m in clients[f"auto:{d}"].policy.modes
+                                        if m != "server-ar" and m not in clients[f"auto:{d}"].policy.shadows],
+                       "correction": dict(clients[f"auto:{d}"].policy.correction),
+                       "last_predictions_ms": dict(clients[f"auto:{d}"].policy.last_predictions),
+                       "per_round": dict(clients[f"auto:{d}"].policy.per_round),
                        "ms_per_token_estimates": {m: s * 1e3 for m, s in
                                                   clients[f"auto:{d}"].policy.seconds_per_token.items()}}
                    for d in args.drafters}
         for c in clients.values():
             c.close()
-    return {"runs": runs, "routers": routers}
+    return {"runs": runs, "every_run": every, "routers": routers}
 
 
 def check_lossless(target: models.LoadedModel, prompts: list[common.Prompt], encoded: list[list[int]],
@@ -188,7 +241,7 @@ def check_lossless(target: models.LoadedModel, prompts: list[common.Prompt], enc
     found, runs, identical = [], 0, 0
     outputs: dict[str, set[tuple[int, ...]]] = {p.id: set() for p in prompts}
     for rtt, point in zip(rtts, sweep, strict=True):
-        for name, rs in point["runs"].items():
+        for name, rs in point["every_run"].items():
             for r in rs:
                 i = next(j for j, p in enumerate(prompts) if p.id == r["prompt_id"])
                 key = (r["prompt_id"], tuple(r["tokens"]))
@@ -204,6 +257,20 @@ def check_lossless(target: models.LoadedModel, prompts: list[common.Prompt], enc
             "identical_across_modes": all(len(v) == 1 for v in outputs.values()),
             "real_failures": sum(d["verdict"] == "FAILURE" for d in found),
             "tie_divergences": sum(d["verdict"] == "tie" for d in found), "divergences": found}
+
+
+RETRY = "That call timed out before it reached the tool. Send the same request again."
+
+
+def agent_step(target: models.LoadedModel, prompt: common.Prompt, first_tokens: int) -> common.Prompt:
+    """The second step of an agent loop on ``prompt``: the conversation holds the target's own greedy first
+    answer (``first_tokens`` tokens) and the user's report that the call timed out, asking for it again —
+    the agent-loop case edge drafting is for: what the model writes next is largely in its context."""
+    ids = common.render(target.tokenizer, prompt)
+    first = common.hf_generate(target, ids, common.hf_generation_config(target, first_tokens))
+    answer = target.tokenizer.decode(first, skip_special_tokens=True)
+    messages = (*prompt.messages, {"role": "assistant", "content": answer}, {"role": "user", "content": RETRY})
+    return common.Prompt(f"{prompt.id}+retry", prompt.category, messages, prompt.tools)
 
 
 def load_target(spec: str) -> models.LoadedModel:
@@ -223,32 +290,53 @@ def load_target(spec: str) -> models.LoadedModel:
 def bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, args: argparse.Namespace
                  ) -> dict[str, Any]:
     tag = f"[{spec}]"
-    target, load_s = common.timed(lambda: load_target(spec))
+    # Every torch op of the target runs on this one thread, the verifier's too (see models.model_thread):
+    # the client side (n-gram drafters, HTTP) runs none, so the calibrated t_v(k) holds while serving.
+    thread = models.model_thread()
+    try:
+        return _bench_target(spec, prompts, warm, args, thread, tag)
+    finally:
+        thread.shutdown()
+
+
+def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, args: argparse.Namespace,
+                  thread: ThreadPoolExecutor, tag: str) -> dict[str, Any]:
+    def on_model(fn: Callable[..., Any], *a: Any) -> Any:
+        return models.on_thread(thread, fn, *a)
+
+    target, load_s = on_model(common.timed, lambda: load_target(spec))
+    if args.agent_step:
+        prompts = [on_model(agent_step, target, p, args.first_step_tokens) for p in prompts]
+        warm = on_model(agent_step, target, warm, args.first_step_tokens)
     encoded = [common.render(target.tokenizer, p) for p in prompts]
     warm_ids = common.render(target.tokenizer, warm)
-    common.pretouch(target.model, max(len(x) for x in encoded) + args.max_new_tokens + args.gamma + 1)
+    on_model(common.pretouch, target.model, max(len(x) for x in encoded) + args.max_new_tokens + args.gamma + 1)
     # 1. plain greedy references, logit path noise
     cfg = common.hf_generation_config(target, args.max_new_tokens)
-    warm_ref = common.hf_generate(target, warm_ids, cfg)
-    refs = [common.hf_generate(target, ids, cfg) for ids in encoded]
-    noise = common.logit_path_noise(target.model, warm_ids, warm_ref, args.gamma + 1)
+    warm_ref = on_model(common.hf_generate, target, warm_ids, cfg)
+    refs = [on_model(common.hf_generate, target, ids, cfg) for ids in encoded]
+    noise = on_model(common.logit_path_noise, target.model, warm_ids, warm_ref, args.gamma + 1)
     log(tag, f"loaded in {load_s:.1f}s; prompts {[len(x) for x in encoded]} tokens, references "
         f"{[len(r) for r in refs]} tokens; logit path noise max {noise['max_abs']:.3g}")
     # 2. calibration: verify-cost curve, replays, loopback overheads
     median_i = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))[len(encoded) // 2]
-    curve = common.verify_cost_curve(target.model, encoded[median_i], args.gamma + 1, args.curve_reps)
-    t_ar = curve[1]
-    replays = {name: Replay() for name, _, _ in fixed_modes(args.drafters)}
-    for ids, ref in zip(encoded, refs, strict=True):
-        for d in args.drafters:
-            replay(DRAFTERS[d](), ids, ref, args.gamma, args.max_new_tokens, curve, None, replays[f"edge:{d}"])
-        replay(DRAFTERS[SERVER_DRAFTER](), ids, ref, args.gamma, args.max_new_tokens, curve, args.segment_tokens,
-               replays["server"])
-        replay(None, ids, ref, 0, args.max_new_tokens, curve, args.segment_tokens, replays["server-ar"])
-    log(tag, "t_v(k) ms:", " ".join(f"{k}:{s * 1e3:.1f}" for k, s in curve.items()), "| replay:", "; ".join(
-        f"{n} E[A] {r.tokens / r.rounds:.2f} γ̄ {r.drafted / r.rounds:.2f}" for n, r in replays.items()))
-    with Verifier(target, args.gamma) as srv:
-        overhead = overheads(srv.port, warm, args)
+    offline = on_model(common.verify_cost_curve, target.model, encoded[median_i], args.gamma + 1, args.curve_reps)
+    log(tag, "offline t_v(k) ms:", " ".join(f"{k}:{s * 1e3:.1f}" for k, s in offline.items()))
+    with Verifier(target, args.gamma, thread) as srv:
+        passes: list[tuple[int, float]] = []
+        overhead = overheads(srv.port, warm, args, passes)
+        curve = served_curve(passes, args.gamma)
+        t_ar = curve[1]
+        replays = {name: Replay() for name, _, _ in fixed_modes(args.drafters)}
+        for ids, ref in zip(encoded, refs, strict=True):
+            for d in args.drafters:
+                replay(DRAFTERS[d](), ids, ref, args.gamma, args.max_new_tokens, curve, None, replays[f"edge:{d}"])
+            replay(DRAFTERS[SERVER_DRAFTER](), ids, ref, args.gamma, args.max_new_tokens, curve, args.segment_tokens,
+                   replays["server"])
+            replay(None, ids, ref, 0, args.max_new_tokens, curve, args.segment_tokens, replays["server-ar"])
+        log(tag, f"served t_v(k) ms ({len(passes)} passes):", " ".join(f"{k}:{s * 1e3:.1f}" for k, s in curve.items()),
+            "| replay:", "; ".join(f"{n} E[A] {r.tokens / r.rounds:.2f} γ̄ {r.drafted / r.rounds:.2f}"
+                                   for n, r in replays.items()))
         log(tag, "loopback overhead ms/round:", {k: round(v * 1e3, 2) for k, v in overhead.items()})
         lines = {name: predict(replays[name], overhead[name], t_ar, mode) for name, mode, _ in fixed_modes(args.drafters)}
         # 3. the sweep
@@ -260,7 +348,8 @@ def bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, a
             log(tag, f"RTT {rtt:g} ms ({time.perf_counter() - t0:.0f}s): ms/token " + " | ".join(
                 f"{n} {v:.1f} (pred {(lines[n][0] + lines[n][1] * rtt / 1e3) * 1e3:.1f})" if n in lines
                 else f"{n} {v:.1f}" for n, v in ms.items()))
-    lossless = check_lossless(target, prompts, encoded, refs, sweep, args.rtts, noise["max_abs"], args.tie_ulps)
+    lossless = on_model(check_lossless, target, prompts, encoded, refs, sweep, args.rtts, noise["max_abs"],
+                        args.tie_ulps)
     if lossless["real_failures"]:
         log(tag, f"!!! LOSSLESSNESS FAILURE: {lossless['real_failures']} outputs differ from plain greedy")
     # 4. predictions next to measurements
@@ -276,11 +365,13 @@ def bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, a
         points.append({"rtt_ms": rtt, "modes": modes, "best_fixed": best, "routers": point["routers"],
                        "auto_vs_best": {d: modes[f"auto:{d}"]["tokens_per_s"] / modes[best[d]]["tokens_per_s"]
                                         for d in args.drafters},
-                       "auto_vs_best_if_only_probes": {d: probe_bound(modes, d) for d in args.drafters}})
+                       "auto_vs_best_if_only_probes": {
+                           d: probe_bound(modes, d, point["routers"][d]["probed_modes"]) for d in args.drafters}})
     return {"target": spec, "model": model_info(target, load_s), "dtype": str(target.dtype).replace("torch.", ""),
             "prompt_tokens": [len(x) for x in encoded], "reference_tokens": [len(r) for r in refs],
             "logit_path_noise": noise,
-            "calibration": {"verify_cost_s": curve, "t_ar_ms": t_ar * 1e3,
+            "calibration": {"verify_cost_s": curve, "verify_cost_offline_s": offline, "served_passes": len(passes),
+                            "t_ar_ms": t_ar * 1e3,
                             "overhead_ms_per_round": {k: v * 1e3 for k, v in overhead.items()},
                             "replay": {n: {**asdict(r), **r.closed_form_inputs()} for n, r in replays.items()},
                             "lines": {n: {"ms_per_token_at_0": a * 1e3, "ms_per_token_per_ms_rtt": b}
@@ -333,7 +424,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per round, edge and server")
     p.add_argument("--segment-tokens", type=int, default=None, help="tokens per routed segment (default 16)")
     p.add_argument("--curve-reps", type=int, default=5, help="repetitions per verify-cost point")
+    p.add_argument("--reps", type=int, default=None,
+                   help="runs of every (mode, prompt) per RTT point, the fastest kept (default 2; --quick 1)")
     p.add_argument("--overhead-reps", type=int, default=None, help="timed calibration requests per mode (default 2)")
+    p.add_argument("--agent-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure step 2 of an agent loop (the target's first answer, a timed-out call, a retry "
+                        "request) rather than the bare BFCL question (default: on)")
+    p.add_argument("--first-step-tokens", type=int, default=48, help="length of the target's first answer")
     p.add_argument("--tie-ulps", type=float, default=1.0, help="bf16 tie threshold floor, in bf16 ulps")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default 2; --quick 1)")
     a = p.parse_args(argv)
@@ -347,6 +444,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.max_new_tokens = a.max_new_tokens or (24 if q else 32)
     a.segment_tokens = a.segment_tokens or (8 if q else 16)
     a.overhead_reps = a.overhead_reps or (1 if q else 2)
+    a.reps = a.reps or (1 if q else 2)
     a.threads = a.threads or (1 if q else 2)  # a tiny model gains nothing from a second thread, only noise
     a.out = Path(a.out or f"benchmarks/results/router{'_quick' if q else ''}.json")
     return a
@@ -367,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts {[p.id for p in prompts]}, {args.max_new_tokens} new tokens, delay: DelayProxy on loopback")
     settings = {k: getattr(args, k) for k in ("targets", "drafters", "rtts", "prompts", "categories",
                                               "max_new_tokens", "gamma", "segment_tokens", "curve_reps", "overhead_reps",
+                                              "reps", "agent_step", "first_step_tokens",
                                               "tie_ulps", "threads", "quick")}
     meta = {"settings": settings, "machine": common.machine_info(), "delay_method": "proxy",
             "delay": "agentspec.delay_proxy.DelayProxy on 127.0.0.1, one-way delay RTT/2 each direction "
@@ -374,7 +473,10 @@ def main(argv: list[str] | None = None) -> int:
             "models": args.targets, "dtypes": sorted({t.partition(":")[2] or "float32" for t in args.targets}),
             "data": {"source": "bfcl_eval wheel, BFCL v4", "prompt_ids": [p.id for p in prompts],
                      "categories": args.categories, "warmup_prompt_id": warm.id,
-                     "selection": "benchmarks.common.bfcl_prompts (evenly spread per category)"},
+                     "selection": "benchmarks.common.bfcl_prompts (evenly spread per category)",
+                     "agent_step": (f"each question becomes step 2 of an agent loop, per target: its own greedy "
+                                    f"first answer ({args.first_step_tokens} tokens), then the user: {RETRY!r}"
+                                    if args.agent_step else "off: the bare BFCL question")},
             "greedy": True, "modes": ["edge", "server", "server-ar", "auto"],
             "edge_drafters": {d: repr(DRAFTERS[d]().__dict__) for d in args.drafters},
             "server_drafter": f"{SERVER_DRAFTER}: {DRAFTERS[SERVER_DRAFTER]().__dict__}",

@@ -12,13 +12,11 @@ break-even RTTs (predicted, and found in the measured curves).
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from agentspec import router
-from agentspec.drafters.base import DraftContext, Drafter
-from agentspec.types import DraftProposal
+from agentspec.drafters.base import Drafter
 
 
 @dataclass
@@ -61,31 +59,17 @@ def replay(drafter: Drafter | None, prompt: list[int], reference: list[int], gam
            curve: dict[int, float], segment: int | None, into: Replay) -> None:
     """Edge rounds (``segment=None``: γ capped by the request's tokens left) or server rounds (segments of
     ``segment`` tokens, γ capped by the segment's tokens left, output cut at its end), as the code does."""
-    tokens, done, left = list(prompt), 0, segment
     if drafter is not None:
         drafter.reset()
-    while done < len(reference):
-        k = max(min(gamma, max_new - done - 1, (left - 1) if segment else gamma), 0)
-        t0 = time.perf_counter()
-        draft = drafter.propose(DraftContext(tokens, len(prompt)), k) if drafter and k else DraftProposal()
-        into.draft_s += time.perf_counter() - t0
-        assert not draft.is_tree, "the closed forms are for chains"
-        d = list(draft.tokens)
-        acc = 0
-        while acc < len(d) and done + acc < len(reference) and d[acc] == reference[done + acc]:
-            acc += 1
-        emit = min(acc + 1, len(reference) - done, left if segment else max_new)
-        tokens += reference[done:done + emit]
-        done += emit
-        into.rounds += 1
-        into.drafted += len(d)
-        into.accepted += min(acc, emit)
-        into.verify_s += curve[len(d) + 1]
-        if segment:
-            left -= emit
-            if left == 0 or done == len(reference):
-                into.segments, left = into.segments + 1, segment
-    into.tokens += len(reference)
+    r = router.replay_chain(drafter, list(prompt) + list(reference), len(prompt), len(prompt), gamma,
+                            segment=segment, max_new=max_new)
+    into.rounds += r.rounds
+    into.tokens += r.tokens
+    into.drafted += r.drafted
+    into.accepted += r.accepted
+    into.segments += r.segments
+    into.draft_s += r.draft_s
+    into.verify_s += sum(curve[g + 1] for g in r.gammas)
 
 
 def predict(rep: Replay, overhead: float, t_ar: float, kind: str) -> tuple[float, float]:
@@ -156,10 +140,15 @@ def break_even(drafters: list[str], replays: dict[str, Replay], overhead: dict[s
     return out
 
 
-def probe_bound(modes: dict[str, dict], drafter: str) -> float:
-    """auto/best if auto lost only to ModePolicy's probes: the best fixed mode, except that every
-    ``probe_every`` segments the least recently used mode runs one segment (each other mode once per
-    2·probe_every segments), at the fixed modes' measured ms/token."""
+def probe_bound(modes: dict[str, dict], drafter: str, probed: list[str]) -> float:
+    """auto/best if auto lost only to ModePolicy's probes of the modes in ``probed`` (those it cannot judge
+    by shadow replays): the best fixed mode, except that every ``probe_every`` segments the least recently
+    used probed mode runs one segment, at the fixed modes' measured ms/token."""
     every = router.ModePolicy().probe_every
-    ms = sorted(modes[n]["ms_per_token"] for n in (f"edge:{drafter}", "server", "server-ar"))
-    return ms[0] / (((2 * every - 2) * ms[0] + ms[1] + ms[2]) / (2 * every))
+    names = {"edge": f"edge:{drafter}", "server": "server", "server-ar": "server-ar"}
+    best = min(modes[n]["ms_per_token"] for n in names.values())
+    others = [modes[names[m]]["ms_per_token"] for m in probed if modes[names[m]]["ms_per_token"] > best]
+    if not others:
+        return 1.0
+    cycle = every * len(others)  # each probed mode once per len(others)·probe_every segments
+    return best / (((cycle - len(others)) * best + sum(others)) / cycle)

@@ -21,8 +21,8 @@ def tables(r: dict[str, Any]) -> list[str]:
         names = list(t["points"][0]["modes"])
         lines += [f"### {spec}", "", "Decode tokens/s (session open/close excluded); `auto/best` = auto ÷ the best "
                   "fixed mode it could pick (edge with its drafter, server, server-ar); `probes-only` = what auto/best "
-                  "would be if auto lost only to ModePolicy's periodic probes (one segment of each other mode per "
-                  "16 segments, at the fixed modes' measured cost).", "",
+                  "would be if auto lost only to ModePolicy's periodic probes of the modes it cannot judge by shadow "
+                  "replays (1.000: every mode is shadowed, nothing is probed).", "",
                   "| RTT ms | " + " | ".join(names) + " | " + " | ".join(f"auto/best ({d})" for d in drafters) + " |",
                   "|---" * (1 + len(names) + len(drafters)) + "|"]
         for p in t["points"]:
@@ -105,7 +105,8 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
               "at zero added delay on the warm-up prompt. Edge pays the RTT every round, server and server-ar once "
               "per segment.",
               "* Draft lengths are fixed (γ every round, fewer only when the request or segment ends or the n-gram "
-              "finds a shorter continuation); `auto` is the stock `ModePolicy` (hysteresis, periodic probes) with "
+              "finds a shorter continuation); `auto` is the stock `ModePolicy` (closed forms fed with online "
+              "estimates; E[A] of the n-gram drafters from shadow replays over the committed text; hysteresis) with "
               "that fixed γ for its edge rounds, a fresh one per RTT point, warmed until it has measured every mode.",
               f"* `api` mode is not measured: {m['not_measured']['api']}.", ""]
     path.write_text("\n".join(lines))

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,30 +58,12 @@ def served_name(args: argparse.Namespace) -> str:
 @contextlib.contextmanager
 def in_process_verifier(target: Any, name: str, api_key: str | None = None) -> Iterator[str]:
     """Serve ``target`` on a free loopback port from a background thread; yields the base URL."""
-    import uvicorn
-
-    from agentspec.verifier_server.app import create_app
-    from agentspec.verifier_server.engine import ServerConfig, VerifierEngine
-    from agentspec.verifier_server.metrics import Metrics
+    from agentspec.verifier_server.engine import ServerConfig
+    from agentspec.verifier_server.local import LocalVerifier
 
     config = ServerConfig(served_model_name=name, api_keys=(api_key,) if api_key else ())
-    engine = VerifierEngine(target, config, metrics=Metrics(name))  # no draft model: n-gram drafting
-    engine.warm_up()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the verifier did not start")
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        engine.shutdown()
+    with LocalVerifier(target, config) as verifier:  # no draft model: n-gram drafting
+        yield verifier.url
 
 
 @contextlib.contextmanager

@@ -115,12 +115,19 @@ def build_engine(args: Args, load_now: bool = True):  # -> VerifierEngine
     from agentspec.verifier_server.engine import VerifierEngine
     from agentspec.verifier_server.metrics import Metrics
 
-    target = models.load_model(args.model, device=args.device, dtype=args.dtype, allow_download=args.allow_download)
-    draft = None
-    if args.draft_model:
-        draft = models.load_model(args.draft_model, device=target.device, dtype=target.dtype,
-                                  allow_download=args.allow_download)
-    engine = VerifierEngine(target, args.config, draft_model=draft, metrics=Metrics(args.config.served_model_name))
+    thread = models.model_thread()  # load, warm up and serve on one thread (see model_thread)
+
+    def load() -> tuple[models.LoadedModel, models.LoadedModel | None]:
+        target = models.load_model(args.model, device=args.device, dtype=args.dtype, allow_download=args.allow_download)
+        draft = None
+        if args.draft_model:
+            draft = models.load_model(args.draft_model, device=target.device, dtype=target.dtype,
+                                      allow_download=args.allow_download)
+        return target, draft
+
+    target, draft = models.on_thread(thread, load)
+    engine = VerifierEngine(target, args.config, draft_model=draft, metrics=Metrics(args.config.served_model_name),
+                            executor=thread)
     engine.warm_up()
     return engine
 

@@ -46,7 +46,7 @@ from agentspec.protocol import (
 from agentspec.router import DraftLengthPolicy
 from agentspec.toolcalls import render_chat
 from agentspec.types import DraftProposal, SamplingParams, SparseDist
-from agentspec.verifier_server.kv_store import KVStore, Session
+from agentspec.verifier_server.kv_store import KVStore, Session, rss_bytes
 from agentspec.verify import path_depth, sampling_probs, tree_attention, verify_greedy, verify_sampled
 
 
@@ -98,14 +98,18 @@ class VerifierEngine:
     """Sessions, rounds and generation over one target (and an optional server-side drafter)."""
 
     def __init__(self, target: models.LoadedModel, config: ServerConfig,
-                 draft_model: models.LoadedModel | None = None, metrics: Any = None) -> None:
+                 draft_model: models.LoadedModel | None = None, metrics: Any = None,
+                 executor: ThreadPoolExecutor | None = None) -> None:
+        """``executor``: the one-worker thread that runs the model (:func:`models.model_thread`); pass the
+        one the target was loaded and warmed on so a single thread ever runs its torch ops."""
         self.target = target
         self.config = config
         self.draft_model = draft_model
-        self.vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = models.vocab_size(target.model)  # no torch op on this (the caller's) thread
         self.store = KVStore(target.model, config.max_sessions, config.kv_cache_memory)
         self.metrics = metrics
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentspec-model")
+        self._owns_executor = executor is None
+        self.executor = executor or models.model_thread()
         self.scheduler = BatchScheduler(self, config.max_batch_size, config.batch_window_s)
         self.policies: dict[str, DraftLengthPolicy] = {}
         self.copy_index = SuffixIndex()  # past outputs per API key: cross-conversation copy drafting
@@ -115,7 +119,12 @@ class VerifierEngine:
     # -- start-up ----------------------------------------------------------------------------------
 
     def warm_up(self) -> dict[int, float]:
-        """Run the model once, measure the verify-cost curve (it seeds the server-mode draft policies)."""
+        """Run the model once, measure the verify-cost curve (it seeds the server-mode draft policies).
+
+        Runs on the model thread, where the curve's timings will hold when serving."""
+        return models.on_thread(self.executor, self._warm_up)
+
+    def _warm_up(self) -> dict[int, float]:
         ids = [t % self.vocab_size for t in range(1, 33)]
         curve = models.measure_verify_cost(self.target.model, ids, self.config.max_draft_tokens + 1, reps=1)
         for name in ("model", "copy"):
@@ -124,6 +133,9 @@ class VerifierEngine:
         cache = models.new_cache(self.target.model)
         models.forward(self.target.model, ids[:8], cache, 1)
         self.store.bytes_per_token = -(-models.cache_nbytes(cache) // 8)
+        rss = rss_bytes()
+        if rss is not None:  # freed KV pages go back to the OS only once RSS passes ready + the KV cap
+            self.store.rss_soft_limit = rss + self.config.kv_cache_memory
         self.ready = True
         return curve
 
@@ -376,7 +388,8 @@ class VerifierEngine:
         return session.generator
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self._owns_executor:
+            self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 class BatchScheduler:

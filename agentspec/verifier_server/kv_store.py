@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import hashlib
 import hmac
+import os
 import secrets
 import threading
 import time
@@ -80,10 +81,14 @@ class KVStore:
         self.bytes_per_token = 0  # KV bytes per cached position (set by the engine after its warm-up)
         # Every round re-allocates a session's KV (the cache grows by concatenation) and frees the old
         # tensors; glibc keeps freed pages, so RSS would creep above the cap. After this many freed bytes
-        # they are handed back to the OS.
-        # (A trim costs ~1 ms; KV on a GPU does not live on the heap.)
+        # they are handed back to the OS — but only while RSS is above ``rss_soft_limit`` (the engine sets
+        # it to its ready RSS + the cap): the trim itself is ~1 ms, but the next round then page-faults its
+        # whole cache back in (measured: SmolLM2-135M, 600-token context, 84-90 → 66-74 ms per step
+        # without trimming). KV on a GPU does not live on the heap.
         on_cpu = getattr(getattr(model, "device", None), "type", "cpu") == "cpu"
         self.trim_every_bytes = 16 * 1024**2 if on_cpu else None
+        self.rss_soft_limit: int | None = None
+        self.trims = 0
         self._churn = 0
 
     # -- lookup ------------------------------------------------------------------------------------
@@ -164,7 +169,10 @@ class KVStore:
             session.nbytes = nbytes
             evicted = self._evict_until(self.capacity_bytes, keep=session.id)
             if not evicted and self.trim_every_bytes is not None and self._churn > self.trim_every_bytes:
-                _return_freed_memory()
+                rss = rss_bytes()
+                if self.rss_soft_limit is None or rss is None or rss > self.rss_soft_limit:
+                    _return_freed_memory()
+                    self.trims += 1
                 self._churn = 0
 
     # -- internals ---------------------------------------------------------------------------------
@@ -223,6 +231,15 @@ class KVStore:
 
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size now (Linux ``/proc/self/statm``), or None where unknown."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _return_freed_memory() -> None:

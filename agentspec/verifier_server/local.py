@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
@@ -24,9 +25,13 @@ class LocalVerifier:
     """``with LocalVerifier(target, config) as v:`` serves ``target`` at ``v.url`` until the block ends."""
 
     def __init__(self, target: LoadedModel, config: ServerConfig | None = None,
-                 draft_model: LoadedModel | None = None, warm: bool = True) -> None:
+                 draft_model: LoadedModel | None = None, warm: bool = True,
+                 executor: ThreadPoolExecutor | None = None) -> None:
+        """``executor``: the thread ``target`` was loaded on (:func:`agentspec.models.model_thread`), so one
+        thread runs all of its torch ops; a new one by default."""
         config = config or ServerConfig()
-        self.engine = VerifierEngine(target, config, draft_model=draft_model, metrics=Metrics(config.served_model_name))
+        self.engine = VerifierEngine(target, config, draft_model=draft_model, metrics=Metrics(config.served_model_name),
+                                     executor=executor)
         if warm:
             self.engine.warm_up()
         cfg = uvicorn.Config(create_app(self.engine), host="127.0.0.1", port=0, log_level="warning", lifespan="off")

@@ -77,3 +77,22 @@ def test_forward_batch_matches_single_passes(target):
         assert models.cache_length(caches[i]) == models.cache_length(ref_cache)
         for a, b in zip(caches[i].layers, ref_cache.layers, strict=True):
             torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("over_limit", [False, True])
+def test_freed_kv_goes_back_to_the_os_only_above_the_rss_soft_limit(target, over_limit):
+    """Trimming after every 16 MB of churn made each next round page-fault its whole cache back in (~20 %
+    slower decoding); below the soft limit (ready RSS + the KV cap) freed pages stay for reuse."""
+    from agentspec.verifier_server.kv_store import KVStore, rss_bytes
+
+    store = KVStore(target.model, max_sessions=4, capacity_bytes=1 << 30)
+    store.trim_every_bytes = 1  # every round counts as enough churn
+    rss = rss_bytes()
+    if rss is None:
+        pytest.skip("no /proc/self/statm on this platform: the store then trims as before")
+    store.rss_soft_limit = 0 if over_limit else rss + (1 << 40)
+    session, _ = store.create("k", make_prompt(3, length=12), 8, frozenset())
+    for n in range(1, 4):
+        models.forward(target.model, session.tokens[(n - 1) * 4 : n * 4], session.cache, 1)
+        store.update_size(session)
+    assert (store.trims > 0) == over_limit

@@ -94,6 +94,59 @@ def test_policy_picks_interior_optimum():
     assert max(policy.last_rates, key=policy.last_rates.get) == 2
 
 
+def test_replay_chain_counts_rounds_as_the_engine_would():
+    # prompt "1 2 3 4 1 2"; output "3 4 9 1 2 3": the n-gram drafter copies "3 4 1 2" after "1 2"
+    tokens = [1, 2, 3, 4, 1, 2, 3, 4, 9, 1, 2, 3]
+    r = router.replay_chain(NgramDrafter(), tokens, 6, 6, gamma=4)
+    # round 1: draft 3 4 1 2 → 3 4 accepted, 9 committed; round 2 after "9": no match → plain 1;
+    # round 3 after "9 1": copies "2 3 4 9" → 2 3 accepted (end of output)
+    assert (r.rounds, r.tokens) == (3, 6) and r.gammas[0] == 4 and r.accepted == 4
+    assert router.replay_chain(None, tokens, 6, 6, gamma=4).rounds == 6  # plain decoding: one token a round
+    seg = router.replay_chain(NgramDrafter(), tokens, 6, 6, gamma=4, segment=2)
+    assert seg.segments == 3 and max(seg.gammas) <= 1  # γ capped by the segment's tokens left
+    with pytest.raises(ValueError):
+        router.replay_chain(NgramDrafter(), tokens, 7, 6, gamma=4)
+
+
+def _feed(policy: router.ModePolicy, mode: str, *, rtt: float, t_v: dict[int, float], text: list[int],
+          prompt_len: int, rounds: int, server_s: float, wall_s: float) -> None:
+    """One finished segment as the client reports it."""
+    for g, s in t_v.items():
+        policy.server_costs.observe(g, s)
+    policy.observe_open(rtt, 0.0)
+    policy.observe_segment(mode, wall_s / (len(text) - prompt_len), tokens=len(text) - prompt_len, rounds=rounds,
+                           server_s=server_s)
+    policy.observe_text(text, prompt_len, prompt_len)
+
+
+def test_mode_policy_judges_unrun_modes_by_shadow_replays_and_never_probes_them():
+    """Copyable text: server mode with an n-gram drafter (shadowed) beats plain decoding at a long RTT, and
+    the policy knows it from server-ar segments alone; nothing shadowed is ever probed."""
+    t_v = {0: 0.050, 1: 0.055, 2: 0.058, 3: 0.060, 4: 0.062}
+    text = list(range(1, 21)) + list(range(1, 17))  # the output repeats the prompt: every draft right
+    policy = router.ModePolicy(has_drafter=False, shadows={"server": NgramDrafter()}, segment_tokens=16)
+    policy.t_ds = 0.0005
+    for _ in range(3):
+        _feed(policy, "server-ar", rtt=0.1, t_v=t_v, text=text, prompt_len=20, rounds=16, server_s=0.8, wall_s=0.9)
+    mean_accepted, gamma = policy.per_round["server"]
+    assert mean_accepted > 3 and gamma > 2  # from the shadow, without a single server-mode round
+    assert policy.closed_form("server") < policy.closed_form("server-ar")
+    policy.seconds_per_token.update({"server": 1.0})  # even a stale, bad measurement does not matter
+    picks = [policy.choose() for _ in range(40)]
+    assert picks.count("server") == 40
+    assert policy.probing is None and policy.last_probe == 0
+
+
+def test_mode_policy_correction_absorbs_per_round_overhead():
+    """A segment slower than its closed form (per-round JSON/HTTP work) scales that mode's prediction."""
+    t_v = {0: 0.050}
+    policy = router.ModePolicy(has_drafter=False, segment_tokens=16)
+    text = list(range(1, 37))
+    _feed(policy, "server-ar", rtt=0.0, t_v=t_v, text=text, prompt_len=20, rounds=16, server_s=0.8, wall_s=0.96)
+    assert policy.correction["server-ar"] == pytest.approx(1.2)
+    assert policy.predicted("server-ar") == pytest.approx(0.060)
+
+
 MAX_NEW = 40
 
 
