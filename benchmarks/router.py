@@ -2,7 +2,7 @@
 of it, the break-even RTT, and how close ``auto`` stays to the best fixed mode.
 
 Run: ``python -m benchmarks.router`` (full: SmolLM2-135M-Instruct in float32 and bfloat16, two n-gram edge
-drafters, 7 RTT points, 3 prompts × 32 tokens; estimated ~16 min on 2 idle cores) or ``--quick`` (a tiny
+drafters, 7 RTT points, 3 prompts × 32 tokens; estimated ~40 min on 2 idle cores) or ``--quick`` (a tiny
 random model, 2 RTT points, ~30 s). Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (default
 ``benchmarks/results/router.json``; ``--quick``: ``router_quick.json``).
 
@@ -23,7 +23,7 @@ measures the bare questions (n-gram E[A] ≈ 1.3 there, a break-even RTT of a fe
 3. the sweep: per RTT a :class:`~agentspec.delay_proxy.DelayProxy` with one-way delay RTT/2 in front of an
    in-process verifier; per prompt every fixed mode (``edge`` per drafter, ``server``, ``server-ar``) and
    ``auto`` (a fresh client per RTT and drafter, warmed until the router has measured every mode) run in
-   rotated order, ``--reps`` times (default 2); the fastest repetition of each (mode, prompt) is kept, since
+   rotated order, ``--reps`` times (default 3); the fastest repetition of each (mode, prompt) is kept, since
    interference on a shared 2-core VM only ever adds time (every repetition is checked for losslessness). Decode time is the sum of the client's segment wall times (session open and close left
    out); end-to-end time is kept too;
 4. predictions from :mod:`agentspec.router`'s closed forms fed with the calibration, the break-even RTT
@@ -425,7 +425,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segment-tokens", type=int, default=None, help="tokens per routed segment (default 16)")
     p.add_argument("--curve-reps", type=int, default=5, help="repetitions per verify-cost point")
     p.add_argument("--reps", type=int, default=None,
-                   help="runs of every (mode, prompt) per RTT point, the fastest kept (default 2; --quick 1)")
+                   help="runs of every (mode, prompt) per RTT point, the fastest kept (default 3; --quick 1)")
     p.add_argument("--overhead-reps", type=int, default=None, help="timed calibration requests per mode (default 2)")
     p.add_argument("--agent-step", action=argparse.BooleanOptionalAction, default=True,
                    help="measure step 2 of an agent loop (the target's first answer, a timed-out call, a retry "
@@ -444,7 +444,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.max_new_tokens = a.max_new_tokens or (24 if q else 32)
     a.segment_tokens = a.segment_tokens or (8 if q else 16)
     a.overhead_reps = a.overhead_reps or (1 if q else 2)
-    a.reps = a.reps or (1 if q else 2)
+    a.reps = a.reps or (1 if q else 3)
     a.threads = a.threads or (1 if q else 2)  # a tiny model gains nothing from a second thread, only noise
     a.out = Path(a.out or f"benchmarks/results/router{'_quick' if q else ''}.json")
     return a
