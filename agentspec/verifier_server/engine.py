@@ -133,9 +133,8 @@ class VerifierEngine:
         cache = models.new_cache(self.target.model)
         models.forward(self.target.model, ids[:8], cache, 1)
         self.store.bytes_per_token = -(-models.cache_nbytes(cache) // 8)
-        rss = rss_bytes()
-        if rss is not None:  # freed KV pages go back to the OS only once RSS passes ready + the KV cap
-            self.store.rss_soft_limit = rss + self.config.kv_cache_memory
+        if rss_bytes() is not None:  # freed KV pages go back to the OS only once RSS passes weights + KV cap
+            self.store.rss_soft_limit = models.resident_weight_bytes(self.target.model) + self.config.kv_cache_memory
         self.ready = True
         return curve
 
