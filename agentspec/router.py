@@ -92,6 +92,11 @@ def predicted_speedup(gammas: Iterable[int], alpha: float, t_ar: float, t_d: flo
 # ---- online estimates --------------------------------------------------------------------------------
 
 
+def ema(old: float | None, new: float, weight: float) -> float:
+    """Exponential moving average: ``new`` when there is no ``old`` yet."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 @dataclass
 class CostCurve:
     """Seconds of one decode-time target pass as a function of the number of draft tokens γ in it.
@@ -116,8 +121,7 @@ class CostCurve:
         """Record one decode pass with ``gamma`` draft tokens that took ``seconds``."""
         if gamma < 0 or seconds <= 0:
             return
-        old = self.observed.get(gamma)
-        self.observed[gamma] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        self.observed[gamma] = ema(self.observed.get(gamma), seconds, self.ema)
 
     def _shape(self, gamma: int) -> float:
         """Relative cost from the prior (interpolated), or linear growth when there is none."""
@@ -283,9 +287,7 @@ class DraftLengthPolicy:
         if reached:
             self.acceptance.observe(reached, accepted)
         if drafted and draft_s > 0:
-            per_token = draft_s / drafted
-            old = self.draft_seconds_per_token
-            self.draft_seconds_per_token = per_token if old == 0 else 0.8 * old + 0.2 * per_token
+            self.draft_seconds_per_token = ema(self.draft_seconds_per_token or None, draft_s / drafted, 0.2)
 
 
 @dataclass
@@ -484,7 +486,7 @@ class ModePolicy:
     def observe_open(self, wall_s: float, server_s: float) -> None:
         """A session open's wall time and the server's compute in it (prefill): tracks the round trip."""
         rtt = max(wall_s - server_s, 0.0)
-        self.rtt_open = rtt if self.rtt_open is None else (1 - self.ema) * self.rtt_open + self.ema * rtt
+        self.rtt_open = ema(self.rtt_open, rtt, self.ema)
 
     def observe_round(self, mode: str, drafted: int, accepted: int, emitted: int, *, wall_s: float,
                       server_s: float, verify_s: float, draft_s: float, load: dict | None = None) -> None:
@@ -495,10 +497,10 @@ class ModePolicy:
             self.server_costs.observe(drafted, verify_s)
         if mode == "server" and drafted and server_s > verify_s:
             t = (server_s - verify_s) / drafted
-            self.t_ds = t if self.t_ds is None else (1 - self.ema) * self.t_ds + self.ema * t
+            self.t_ds = ema(self.t_ds, t, self.ema)
         if mode == "edge":
             rtt = max(wall_s - server_s, 0.0)
-            self.rtt = rtt if self.rtt is None else (1 - self.ema) * self.rtt + self.ema * rtt
+            self.rtt = ema(self.rtt, rtt, self.ema)
             self._rtt_open_at_edge = self.rtt_open
             reached = min(drafted, accepted + 1)
             self.edge.observe(drafted, reached, accepted, max(wall_s, 1e-6), draft_s)
@@ -513,12 +515,11 @@ class ModePolicy:
             self._per_round(mode, r.tokens / r.rounds, r.drafted / r.rounds)
             if mode == "edge" and r.drafted:
                 t = r.draft_s / r.drafted
-                self.t_d_shadow = t if self.t_d_shadow is None else (1 - self.ema) * self.t_d_shadow + self.ema * t
+                self.t_d_shadow = ema(self.t_d_shadow, t, self.ema)
 
     def _per_round(self, mode: str, mean_accepted: float, gamma: float) -> None:
-        old = self.per_round.get(mode)
-        self.per_round[mode] = (mean_accepted, gamma) if old is None else (
-            (1 - self.ema) * old[0] + self.ema * mean_accepted, (1 - self.ema) * old[1] + self.ema * gamma)
+        old = self.per_round.get(mode, (None, None))
+        self.per_round[mode] = (ema(old[0], mean_accepted, self.ema), ema(old[1], gamma, self.ema))
 
     def observe_segment(self, mode: str, seconds_per_token: float, *, tokens: int = 0, rounds: int = 0,
                         drafted: int = 0, server_s: float = 0.0, draft_s: float = 0.0) -> None:
@@ -530,9 +531,7 @@ class ModePolicy:
             worse = seconds_per_token > (1 + self.probe_margin) * incumbent
             self.probe_interval[mode] = min(2 * interval, self.max_probe_every) if worse else self.probe_every
         self.probing = None
-        old = self.seconds_per_token.get(mode)
-        self.seconds_per_token[mode] = (seconds_per_token if old is None
-                                        else (1 - self.ema) * old + self.ema * seconds_per_token)
+        self.seconds_per_token[mode] = ema(self.seconds_per_token.get(mode), seconds_per_token, self.ema)
         rtt = self.network_s()
         if not (tokens and rounds) or rtt is None or mode not in self.modes:
             return
@@ -542,6 +541,4 @@ class ModePolicy:
         predicted = server_s + draft_s + (rounds * rtt if mode == "edge" else rtt)
         if predicted > 0:
             ratio = min(max(seconds_per_token * tokens / predicted, 0.5), 3.0)
-            old_c = self.correction.get(mode)
-            w = self.correction_ema
-            self.correction[mode] = ratio if old_c is None else (1 - w) * old_c + w * ratio
+            self.correction[mode] = ema(self.correction.get(mode), ratio, self.correction_ema)

@@ -81,10 +81,10 @@ class KVStore:
         self.bytes_per_token = 0  # KV bytes per cached position (set by the engine after its warm-up)
         # Every round re-allocates a session's KV (the cache grows by concatenation) and frees the old
         # tensors; glibc keeps freed pages, so RSS would creep above the cap. After this many freed bytes
-        # they are handed back to the OS — but only while RSS is above ``rss_soft_limit`` (the engine sets
-        # it to the resident weights + the cap, the memory bound the server promises): the trim itself is ~1 ms, but the next round then page-faults its
-        # whole cache back in (measured: SmolLM2-135M, 600-token context, 84-90 → 66-74 ms per step
-        # without trimming). KV on a GPU does not live on the heap.
+        # they are handed back to the OS, but only while RSS is above ``rss_soft_limit`` (the engine sets
+        # it to the resident weights + the cap, the bound the server promises): a trim is ~1 ms, but the
+        # next round then page-faults its whole cache back in (SmolLM2-135M, 600-token context: 84-90 ms
+        # per step trimming, 66-74 ms not). KV on a GPU does not live on the heap.
         on_cpu = getattr(getattr(model, "device", None), "type", "cpu") == "cpu"
         self.trim_every_bytes = 16 * 1024**2 if on_cpu else None
         self.rss_soft_limit: int | None = None
