@@ -93,15 +93,19 @@ def crossing(edge: tuple[float, float], other: tuple[float, float]) -> float | N
     return None if abs(slope) < 1e-12 else (other[0] - edge[0]) / slope
 
 
-def measured_crossing(rtts: list[float], edge: list[float], other: list[float]) -> tuple[float | None, str]:
-    """Where the measured edge curve rises above ``other``: linear interpolation between the sweep points
-    around the first sign change; without one, where least-squares lines through the points meet."""
+def measured_crossing(rtts: list[float], edge: list[float], other: list[float]) -> tuple[float | None, float | None]:
+    """Where the measured edge curve crosses ``other``: ``(fitted, interpolated)``.
+
+    Fitted: where least-squares lines through all the sweep points meet (both costs are linear in RTT,
+    so every point informs the crossing and one noisy point cannot move it much). Interpolated: linear
+    interpolation between the two sweep points around the first sign change (None without one)."""
+    fits = [fit_line(rtts, y) for y in (edge, other)]
+    fitted = crossing(fits[0], fits[1])
     diff = [e - o for e, o in zip(edge, other, strict=True)]
     for i in range(len(diff) - 1):
         if diff[i] <= 0 < diff[i + 1]:
-            return rtts[i] + (rtts[i + 1] - rtts[i]) * -diff[i] / (diff[i + 1] - diff[i]), "interpolated"
-    fits = [fit_line(rtts, y) for y in (edge, other)]
-    return crossing(fits[0], fits[1]), "extrapolated from line fits (no sign change inside the sweep)"
+            return fitted, rtts[i] + (rtts[i + 1] - rtts[i]) * -diff[i] / (diff[i + 1] - diff[i])
+    return fitted, None
 
 
 def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
@@ -128,15 +132,17 @@ def break_even(drafters: list[str], replays: dict[str, Replay], overhead: dict[s
         pred = ((router.break_even_rtt(c["alpha"], c["gamma"], t_ar + overhead["server-ar"], c["t_d"], c["t_v"])
                  - overhead[name]) / (1 - c["E[A]"] * s_ar)) * 1e3
         assert abs(pred - crossing(lines[name], lines["server-ar"]) * 1e3) < 1e-6 * max(1.0, abs(pred))
-        meas, how = measured_crossing(rtts, curve[name], curve["server-ar"])
+        meas, interp = measured_crossing(rtts, curve[name], curve["server-ar"])
         pred_s = crossing(lines[name], lines["server"])
-        meas_s, how_s = measured_crossing(rtts, curve[name], curve["server"])
-        in_sweep = 0 < pred <= max(rtts) or how == "interpolated"
-        out[d] = {"predicted_ms": pred, "measured_ms": meas, "measured_how": how, "in_sweep": in_sweep,
-                  "rel_error": abs(meas - pred) / abs(pred) if meas is not None and pred else None,
+        meas_s, interp_s = measured_crossing(rtts, curve[name], curve["server"])
+        in_sweep = 0 < pred <= max(rtts) or interp is not None
+        out[d] = {"predicted_ms": pred, "measured_ms": meas, "measured_interpolated_ms": interp,
+                  "measured_how": "crossing of least-squares lines through the measured ms/token at every RTT",
+                  "in_sweep": in_sweep, "rel_error": abs(meas - pred) / abs(pred) if meas is not None and pred else None,
+                  "rel_error_interpolated": abs(interp - pred) / abs(pred) if interp is not None and pred else None,
                   "paper_break_even_rtt_ms": paper * 1e3,
                   "edge_vs_server": {"predicted_ms": pred_s * 1e3 if pred_s is not None else None,
-                                     "measured_ms": meas_s, "measured_how": how_s}}
+                                     "measured_ms": meas_s, "measured_interpolated_ms": interp_s}}
     return out
 
 

@@ -19,15 +19,20 @@ def tables(r: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     for spec, t in r["targets"].items():
         names = list(t["points"][0]["modes"])
-        lines += [f"### {spec}", "", "Decode tokens/s (session open/close excluded); `auto/best` = auto ÷ the best "
-                  "fixed mode it could pick (edge with its drafter, server, server-ar); `probes-only` = what auto/best "
+        lines += [f"### {spec}", "", "Decode tokens/s (session open/close excluded; the fastest repetition per "
+                  "prompt); `auto/best` = auto ÷ the best fixed mode it could pick (edge with its drafter, server, "
+                  "server-ar): the smallest over those modes of the median paired ratio (runs of one block: same "
+                  "prompt and repetition, back to back), then the mode it is against and the same ratio from the "
+                  "fastest repetitions; `probes-only` = what auto/best "
                   "would be if auto lost only to ModePolicy's periodic probes of the modes it cannot judge by shadow "
                   "replays (1.000: every mode is shadowed, nothing is probed).", "",
                   "| RTT ms | " + " | ".join(names) + " | " + " | ".join(f"auto/best ({d})" for d in drafters) + " |",
                   "|---" * (1 + len(names) + len(drafters)) + "|"]
         for p in t["points"]:
             lines.append(f"| {p['rtt_ms']:g} | " + " | ".join(_f(p["modes"][n]["tokens_per_s"], 2) for n in names)
-                         + " | " + " | ".join(f"{p['auto_vs_best'][d]:.3f} ({p['best_fixed'][d]}; probes-only "
+                         + " | " + " | ".join(f"{p['auto_vs_best'][d]:.3f} ({p['auto_vs_best_paired_against'][d]}; "
+                                              f"fastest reps {p['auto_vs_best_fastest_reps'][d]:.3f} vs "
+                                              f"{p['best_fixed'][d]}; probes-only "
                                               f"{p['auto_vs_best_if_only_probes'][d]:.3f})" for d in drafters)
                          + " |")
         fixed = [n for n in names if not n.startswith("auto")]
@@ -38,12 +43,18 @@ def tables(r: dict[str, Any]) -> list[str]:
                 f"{p['modes'][n]['ms_per_token']:.1f} / {p['modes'][n]['predicted_ms_per_token']:.1f} "
                 f"({100 * p['modes'][n]['prediction_rel_error']:.0f}%)" for n in fixed) + " |")
         lines += ["", "Break-even RTT (ms, injected): edge vs server-ar (the paper's edge vs plain decoding) and edge "
-                  "vs server mode:", "", "| edge drafter | predicted | measured | rel. error | how measured | "
-                  "paper's E[A]·t_ar − γ·t_d − t_v | edge = server: predicted | measured |", "|---|---|---|---|---|---|---|---|"]
+                  "vs server mode. Measured: where least-squares lines through the measured ms/token at every RTT "
+                  "cross; interpolated: between the two sweep points around the first sign change.", "",
+                  "| edge drafter | predicted | measured | rel. error | interpolated | rel. error | "
+                  "paper's E[A]·t_ar − γ·t_d − t_v | edge = server: predicted | measured |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for d, b in t["break_even"].items():
             s = b["edge_vs_server"]
             lines.append(f"| {d} | {_f(b['predicted_ms'])} | {_f(b['measured_ms'])} | "
-                         f"{_f(None if b['rel_error'] is None else 100 * b['rel_error'], 0)}% | {b['measured_how']} | "
+                         f"{_f(None if b['rel_error'] is None else 100 * b['rel_error'], 0)}% | "
+                         f"{_f(b['measured_interpolated_ms'])} | "
+                         f"{_f(None if b['rel_error_interpolated'] is None else 100 * b['rel_error_interpolated'], 0)}%"
+                         " | "
                          f"{_f(b['paper_break_even_rtt_ms'])} | {_f(s['predicted_ms'])} | {_f(s['measured_ms'])} |")
         lines.append("")
     return lines
