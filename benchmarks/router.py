@@ -42,6 +42,7 @@ closed forms apply as written; ``auto`` runs the stock :class:`~agentspec.router
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -334,6 +335,7 @@ def bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, a
         return _bench_target(spec, prompts, warm, args, thread, tag)
     finally:
         thread.shutdown()
+        gc.unfreeze()  # the next target's turn: this one's objects may go
 
 
 def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, args: argparse.Namespace,
@@ -353,6 +355,8 @@ def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, 
     warm_ref = on_model(common.hf_generate, target, warm_ids, cfg)
     refs = [on_model(common.hf_generate, target, ids, cfg) for ids in encoded]
     noise = on_model(common.logit_path_noise, target.model, warm_ids, warm_ref, args.gamma + 1)
+    gc.collect()  # as agentspec-verifier does once loaded: full collections then skip the model's objects
+    gc.freeze()
     log(tag, f"loaded in {load_s:.1f}s; prompts {[len(x) for x in encoded]} tokens, references "
         f"{[len(r) for r in refs]} tokens; logit path noise max {noise['max_abs']:.3g}")
     # 2. calibration: verify-cost curve, replays, loopback overheads
@@ -478,9 +482,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--first-step-tokens", type=int, default=48, help="length of the target's first answer")
     p.add_argument("--tie-ulps", type=float, default=1.0, help="bf16 tie threshold floor, in bf16 ulps")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads (default 1: with 2, SmolLM2-135M decodes about as fast when served "
-                        "— the second core also runs HTTP, the proxy and the clients — and same-mode runs "
-                        "scatter about twice as much)")
+                   help="torch.set_num_threads (default 1: served, SmolLM2-135M decodes about as fast on 1 thread "
+                        "as on 2, since the second core also runs HTTP, the proxy and the clients)")
     a = p.parse_args(argv)
     q = a.quick
     a.targets = (a.targets or ("tiny-b:float32" if q else

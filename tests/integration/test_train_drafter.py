@@ -3,6 +3,8 @@ client's edge drafter; both stay lossless."""
 
 from __future__ import annotations
 
+import gc
+
 from agentspec import models
 from agentspec.client import SpecClient
 from agentspec.drafters.model import ModelDrafter
@@ -10,6 +12,7 @@ from agentspec.engine import SpecEngine
 from agentspec.toolcalls import render_chat
 from agentspec.training.run import run_training
 from agentspec.types import SamplingParams
+from agentspec.verifier_server.cli import build_engine, parse_args
 from agentspec.verifier_server.local import LocalVerifier
 from tests.helpers import plain_greedy
 from tests.unit.test_train import config
@@ -35,6 +38,14 @@ def test_trained_drafter_loads_in_the_server_and_the_client(tmp_path, target):
         edge_mode = SpecClient(v.url, drafter=ModelDrafter(drafter), tokenizer=target.tokenizer, mode="edge")
         assert server_mode.generate(messages, max_tokens=24).tokens == reference
         assert edge_mode.generate(messages, max_tokens=24).tokens == reference
+    # the output directory is also a model agentspec-verifier serves; its loader leaves the heap frozen
+    engine = build_engine(parse_args([cfg.output, "--draft-model", cfg.output, "--dtype", "float32"]))
+    try:
+        assert engine.draft_model is not None and gc.get_freeze_count() > 0
+        assert engine.target.model.config.num_hidden_layers == 1
+    finally:
+        gc.unfreeze()
+        engine.shutdown()
 
 
 def test_client_request_log_feeds_training_data(tmp_path, target):
