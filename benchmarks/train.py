@@ -29,14 +29,14 @@ from benchmarks import common
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--train-prompts", type=int, default=160)
+    p.add_argument("--train-prompts", type=int, default=320)
     p.add_argument("--heldout-prompts", type=int, default=12)
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--init-layers", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--output", default="drafters/bench-qwen-tools")
+    p.add_argument("--output", default="drafters/bench-qwen-320")
     p.add_argument("--out", default="benchmarks/results/train")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
