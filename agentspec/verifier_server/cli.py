@@ -131,8 +131,8 @@ def build_engine(args: Args, load_now: bool = True):  # -> VerifierEngine
                             executor=thread)
     engine.warm_up()
     # The loaded model is hundreds of thousands of Python objects that live as long as the server. Left in
-    # the collected generations, every full collection walks them all (one 275 ms pause per ~12 requests
-    # with SmolLM2-135M, measured), stalling whatever request is running; frozen, they are skipped.
+    # the collected generations, every full collection walks them all (a 210-275 ms pause every 12-36
+    # requests with SmolLM2-135M, measured), stalling whatever request is running; frozen, they are skipped.
     gc.collect()
     gc.freeze()
     return engine
