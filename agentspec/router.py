@@ -417,7 +417,8 @@ class ModePolicy:
         """The mode for the next segment."""
         self.segments += 1
         untried = [m for m in self.modes if m not in self.seconds_per_token]
-        self.last_predictions = {m: self.predicted(m) * 1e3 for m in self.modes}
+        predicted = {m: self.predicted(m) for m in self.modes}
+        self.last_predictions = {m: s * 1e3 for m, s in predicted.items()}
         due = [m for m in self.modes if m != self.current and self._needs_probes(m)
                and self.segments - self.last_used.get(m, 0) >= self.probe_interval.get(m, self.probe_every)]
         if self.segments - self.last_probe < self.probe_every:
@@ -429,9 +430,8 @@ class ModePolicy:
             pick = self.probing = min(due, key=lambda m: self.last_used.get(m, -1))
             self.last_probe = self.segments
         else:
-            best = min(self.modes, key=self.predicted)
-            pick = best
-            if self.current in self.modes and self.predicted(best) > (1 - self.hysteresis) * self.predicted(self.current):
+            pick = min(self.modes, key=predicted.__getitem__)
+            if self.current in predicted and predicted[pick] > (1 - self.hysteresis) * predicted[self.current]:
                 pick = self.current
             self.current = pick
         self.last_used[pick] = self.segments

@@ -20,15 +20,10 @@ from agentspec.drafters.base import Drafter
 
 
 @dataclass
-class Replay:
-    """A mode's round loop replayed against the reference outputs (greedy: the real run takes the same path)."""
+class Replay(router.ChainReplay):
+    """A mode's round loop replayed against the reference outputs (greedy: the real run takes the same path),
+    summed over prompts, with the verify time the calibrated curve gives its rounds."""
 
-    rounds: int = 0
-    tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    segments: int = 0
-    draft_s: float = 0.0  # measured drafting time
     verify_s: float = 0.0  # Σ t_v(γ_r + 1) from the calibrated curve
 
     def closed_form_inputs(self) -> dict[str, float]:
@@ -63,12 +58,9 @@ def replay(drafter: Drafter | None, prompt: list[int], reference: list[int], gam
         drafter.reset()
     r = router.replay_chain(drafter, list(prompt) + list(reference), len(prompt), len(prompt), gamma,
                             segment=segment, max_new=max_new)
-    into.rounds += r.rounds
-    into.tokens += r.tokens
-    into.drafted += r.drafted
-    into.accepted += r.accepted
-    into.segments += r.segments
-    into.draft_s += r.draft_s
+    for name in ("rounds", "tokens", "drafted", "accepted", "segments", "draft_s"):
+        setattr(into, name, getattr(into, name) + getattr(r, name))
+    into.gammas += r.gammas
     into.verify_s += sum(curve[g + 1] for g in r.gammas)
 
 
