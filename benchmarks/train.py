@@ -4,8 +4,9 @@
 [--lr LR] [--draft-vocab V]`` runs
 ``agentspec train`` (:func:`agentspec.training.run.run_training`) with the settings below: BFCL v4 prompts split
 by a stable hash of their ids, the target's own greedy answers (fp32, packed CPU linears), a drafter made of
-the target's first L layers (embeddings and head frozen), cross-entropy on the answer tokens, and an output
-head cut to the V most frequent token ids of the training data (drafting cost is mostly that head). The held-out
+the target's first L layers (embeddings and head frozen), and an output head cut to the V most frequent token
+ids of the training data (drafting cost is mostly that head); cross-entropy on the answer tokens over that
+head's rows, as it will draft. The held-out
 evaluation runs in bf16, co-located: the trained drafter alone drafts k = 2, 4, 8 tokens per round and the
 target verifies; plain greedy decoding of the same model on the same prompts is the baseline.
 
@@ -31,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--train-prompts", type=int, default=320)
     p.add_argument("--heldout-prompts", type=int, default=12)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--init-layers", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--output", default="drafters/bench-qwen-320")
+    p.add_argument("--output", default="drafters/bench-qwen-320-e4")
     p.add_argument("--out", default="benchmarks/results/train")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)

@@ -37,6 +37,7 @@ class TrainConfig:
     max_len: int = 768  # prompt tokens are cut from the left to fit prompt + response
     kl_weight: float = 0.0  # > 0: add KL(target ‖ drafter) on response tokens (one target pass per batch)
     draft_vocab: int = 8192  # > 0: the drafter's output head keeps this many token ids (see distill.draft_vocabulary)
+    train_head: bool = False  # draft_vocab > 0, full fine-tuning: also train the reduced head's rows
     lora_rank: int = 0  # > 0: train LoRA adapters (peft) and merge them into the saved drafter
     checkpoint_every: int = 25  # steps between checkpoints (and always at the end)
     eval_ks: str = "2,4,8"

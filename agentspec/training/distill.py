@@ -139,7 +139,11 @@ def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint:
           target: Any = None, stop_after: int | None = None,
           progress: Callable[[int, int, float], None] | None = None) -> TrainState:
     """Train ``drafter`` in place; resumes from ``checkpoint`` when it exists. ``stop_after`` ends the run
-    after that many steps of this call (an interruption, for tests). ``target``: needed when kl_weight > 0."""
+    after that many steps of this call (an interruption, for tests). ``target``: needed when kl_weight > 0.
+
+    A drafter with a reduced output head (:func:`agentspec.models.restrict_output_vocab`) is trained on
+    that head, as it will draft: the softmax runs over its rows only (response tokens outside it carry no
+    loss: the drafter can never propose them), and with ``cfg.train_head`` those rows are trained too."""
     if not samples:
         raise ValueError("no training samples")
     if cfg.kl_weight > 0 and target is None:
@@ -166,12 +170,13 @@ def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint:
         state = TrainState(saved["step"], saved["losses"])
     model.train()
     device = next(model.parameters()).device
+    rows = _head_rows(drafter, device)
     ran = 0
     while state.step < total and (stop_after is None or ran < stop_after):
         epoch, i = divmod(state.step, per_epoch)
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         batch = [samples[j] for j in order[i * cfg.batch_size : (i + 1) * cfg.batch_size]]
-        loss = _loss(model, batch, cfg, device, target)
+        loss = _loss(model, batch, cfg, device, target, rows)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -188,10 +193,23 @@ def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint:
     return state
 
 
+def _head_rows(model: Any, device: torch.device) -> torch.Tensor | None:
+    """token id -> row of a reduced output head (-100: not in it), or None for a full head."""
+    token_map = getattr(model, "agentspec_token_map", None)
+    if token_map is None:
+        return None
+    rows = torch.full((int(model.agentspec_full_vocab),), -100, dtype=torch.long, device=device)
+    rows[token_map.to(device)] = torch.arange(len(token_map), device=device)
+    return rows
+
+
 def _trainable(drafter: Any, cfg: TrainConfig) -> Any:
     if cfg.lora_rank <= 0:
         inherited = bool(cfg.drafter) or cfg.init == "from-target" or cfg.copy_embeddings
-        frozen = {id(p) for m in (drafter.get_input_embeddings(), drafter.get_output_embeddings())
+        frozen_modules = [drafter.get_input_embeddings()]
+        if not (cfg.train_head and hasattr(drafter, "agentspec_token_map")):  # a reduced head is its own matrix
+            frozen_modules.append(drafter.get_output_embeddings())
+        frozen = {id(p) for m in frozen_modules
                   for p in m.parameters()} if inherited and not cfg.train_embeddings else set()
         for p in drafter.parameters():
             p.requires_grad_(id(p) not in frozen)
@@ -205,8 +223,10 @@ def _trainable(drafter: Any, cfg: TrainConfig) -> Any:
     return drafter
 
 
-def _loss(model: Any, batch: list[Sample], cfg: TrainConfig, device: torch.device, target: Any) -> torch.Tensor:
-    """Mean cross-entropy over response tokens (+ kl_weight · KL(target ‖ drafter) there)."""
+def _loss(model: Any, batch: list[Sample], cfg: TrainConfig, device: torch.device, target: Any,
+          rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy over response tokens (+ kl_weight · KL(target ‖ drafter) there). ``rows``: a
+    reduced head's token id -> row map (:func:`_head_rows`); the loss is then over those rows."""
     seqs, starts = [], []
     for s in batch:
         response = s.response_ids[: cfg.max_len - 1]
@@ -223,12 +243,18 @@ def _loss(model: Any, batch: list[Sample], cfg: TrainConfig, device: torch.devic
         labels[r, start : len(seq)] = torch.tensor(seq[start:])
     ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
     targets = labels[:, 1:]
+    if rows is not None:
+        targets = torch.where(targets >= 0, rows[targets.clamp(min=0)], targets)
     on = targets != -100  # logits only where a response token is predicted: the vocabulary is large
+    if not bool(on.any()):  # no response token the head can draft: nothing to learn from this batch
+        return sum((p.sum() * 0.0 for p in model.parameters() if p.requires_grad), torch.zeros((), device=device))
     logits = _logits_at(model, ids, mask, on)
     loss = F.cross_entropy(logits, targets[on])
     if cfg.kl_weight > 0:
         with torch.no_grad():
             t_logits = _logits_at(target, ids, mask, on)
+            if rows is not None:
+                t_logits = t_logits.index_select(1, (rows >= 0).nonzero()[:, 0])  # the head's rows, in order
         kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(t_logits, -1), log_target=True,
                       reduction="batchmean")
         loss = loss + cfg.kl_weight * kl
@@ -246,7 +272,8 @@ def _logits_at(model: Any, ids: torch.Tensor, mask: torch.Tensor, on: torch.Tens
 def _recipe(cfg: TrainConfig, num_samples: int) -> dict[str, Any]:
     """What a checkpoint's training depends on: a resume must match it."""
     keys = ("target", "drafter", "init", "init_layers", "copy_embeddings", "train_embeddings", "epochs",
-            "batch_size", "lr", "warmup_steps", "weight_decay", "max_len", "kl_weight", "lora_rank", "seed", "dtype")
+            "batch_size", "lr", "warmup_steps", "weight_decay", "max_len", "kl_weight", "lora_rank", "seed", "dtype",
+            "draft_vocab", "train_head")
     return {**{k: getattr(cfg, k) for k in keys}, "samples": num_samples}
 
 
@@ -283,12 +310,32 @@ def draft_vocabulary(samples: Sequence[Sample], size: int, vocab_size: int, alwa
 
 
 def save_drafter(drafter: Any, tokenizer: Any, out: Path, meta: dict[str, Any],
-                 vocab: Sequence[int] | None = None) -> None:
+                 vocab: Sequence[int] | None = None, full_head: torch.Tensor | None = None) -> None:
     """A standard checkpoint directory (weights, config, tokenizer) that ``load_model`` opens; ``vocab``
-    (a reduced output vocabulary) goes to :data:`agentspec.models.DRAFT_VOCAB_FILE` beside it."""
+    (a reduced output vocabulary) goes to :data:`agentspec.models.DRAFT_VOCAB_FILE` beside it.
+
+    A drafter whose head was reduced for training is saved with a full-size head: ``full_head`` (the head
+    it was reduced from) with the trained rows written back, so the directory stays a plain checkpoint
+    of the target's architecture; loading it cuts the head to ``vocab`` again."""
     model = drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    token_map = getattr(model, "agentspec_token_map", None)
+    if token_map is None:
+        model.save_pretrained(out)
+    else:
+        if full_head is None:
+            raise ValueError("the drafter's head is reduced: pass full_head, the head it was reduced from")
+        head = model.get_output_embeddings()
+        name = next(n for n, m in model.named_modules() if m is head)
+        state = dict(model.state_dict())
+        weight = full_head.detach().to(head.weight.dtype).clone()
+        weight[token_map.to(weight.device)] = head.weight.detach()
+        state[f"{name}.weight"] = weight
+        if head.bias is not None:
+            bias = torch.zeros(weight.shape[0], dtype=head.bias.dtype, device=weight.device)
+            bias[token_map.to(weight.device)] = head.bias.detach()
+            state[f"{name}.bias"] = bias
+        model.save_pretrained(out, state_dict=state)
     tokenizer.save_pretrained(out)
     vocab_file = out / models.DRAFT_VOCAB_FILE
     if vocab is not None:

@@ -68,6 +68,9 @@ def run_training(cfg: TrainConfig, target: models.LoadedModel | None = None, sto
     drafter = distill.init_drafter(target, cfg)
     full_vocab = int(drafter.get_output_embeddings().weight.shape[0])
     vocab = distill.draft_vocabulary(samples, cfg.draft_vocab, full_vocab, target.tokenizer.all_special_ids)
+    full_head = drafter.get_output_embeddings().weight.detach()  # frozen; the saved head starts from it
+    if vocab is not None:  # train the head the drafter will draft with
+        models.restrict_output_vocab(drafter, vocab)
     report: dict[str, Any] = {"config": cfg.to_dict(), "train_ids": [e.id for e in train_ex],
                               "heldout_ids": [e.id for e in held_ex], "samples": len(samples),
                               "response_tokens": sum(len(s.response_ids) for s in samples),
@@ -78,7 +81,7 @@ def run_training(cfg: TrainConfig, target: models.LoadedModel | None = None, sto
     if cfg.eval_before and not checkpoint.exists() and stop_after is None:
         eval_target = _eval_target(target, cfg)
         _say("evaluating the untrained drafter on held-out prompts")
-        report["before"] = evaluate(eval_target, _as(drafter, eval_target, vocab), held_ex, cfg.ks, cfg.max_new_tokens, _say)
+        report["before"] = evaluate(eval_target, _as(drafter, eval_target), held_ex, cfg.ks, cfg.max_new_tokens, _say)
     t_train = time.perf_counter()
     state = distill.train(drafter, samples, cfg, checkpoint, target.model if cfg.kl_weight > 0 else None,
                           stop_after, _bar("training"))
@@ -89,7 +92,8 @@ def run_training(cfg: TrainConfig, target: models.LoadedModel | None = None, sto
         _say(f"stopped at step {state.step}/{total}; rerun the same command to resume")
         report["finished"] = False
         return report
-    distill.save_drafter(drafter, target.tokenizer, out, {"target": cfg.target, "steps": state.step}, vocab)
+    distill.save_drafter(drafter, target.tokenizer, out, {"target": cfg.target, "steps": state.step}, vocab,
+                         full_head)
     drafter = models.load_model(str(out), device=target.device, dtype="float32").model  # what users will load
     eval_target = eval_target or _eval_target(target, cfg)
     _say("evaluating the trained drafter on held-out prompts")
@@ -113,16 +117,12 @@ def _eval_target(target: models.LoadedModel, cfg: TrainConfig) -> models.LoadedM
     return models.LoadedModel(model, target.tokenizer, target.name, target.device, dtype)
 
 
-def _as(drafter: Any, target: models.LoadedModel, vocab: list[int] | None = None) -> Any:
-    """The drafter in the target's dtype, with its reduced vocabulary if any (a copy: training continues on
-    the original)."""
+def _as(drafter: Any, target: models.LoadedModel) -> Any:
+    """The drafter in the target's dtype (a copy: training continues on the original)."""
     import copy
 
     base = drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter
-    model = copy.deepcopy(base).to(target.dtype).eval()
-    if vocab is not None:
-        models.restrict_output_vocab(model, vocab)
-    return model
+    return copy.deepcopy(base).to(target.dtype).eval()
 
 
 def _identity(figures: dict[str, Any]) -> str:

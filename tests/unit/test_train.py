@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from agentspec import models
 from agentspec.cli import build_parser
-from agentspec.training import data
+from agentspec.training import data, distill
 from agentspec.training.config import TrainConfig
 from agentspec.training.run import run_training
 
@@ -85,3 +87,33 @@ def test_interrupted_training_resumes_to_the_same_loss(tmp_path, target):
     with pytest.raises(ValueError, match="different training run"):  # another recipe must not resume it
         run_training(config(tmp_path, "changed", epochs=5), target=target)
     assert full["after"]["by_k"][2]["identical_to_plain"]
+
+
+@pytest.mark.parametrize("train_head", [False, True])
+def test_reduced_head_trains_as_it_drafts_and_saves_full_size(tmp_path, target, train_head):
+    from safetensors.torch import load_file
+
+    cfg = config(tmp_path, f"head{int(train_head)}", epochs=1, draft_vocab=40, train_head=train_head)
+    assert run_training(cfg, target=target)["finished"]
+    out = tmp_path / f"head{int(train_head)}"
+    vocab = json.loads((out / models.DRAFT_VOCAB_FILE).read_text())
+    saved = next(v for k, v in load_file(out / "model.safetensors").items() if k.endswith("lm_head.weight"))
+    original = target.model.get_output_embeddings().weight.detach().float()
+    assert saved.shape == original.shape  # a plain checkpoint of the target's architecture
+    outside = torch.ones(len(original), dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.equal(saved[outside], original[outside])
+    assert torch.equal(saved[vocab], original[vocab]) != train_head  # trained rows were written back
+    loaded = models.load_model(cfg.output, dtype="float32", pack_linears=False).model
+    assert torch.equal(loaded.get_output_embeddings().weight, saved[vocab])
+
+
+def test_tokens_outside_a_reduced_head_carry_no_loss(tmp_path, target):
+    cfg = config(tmp_path, "outside", epochs=1, draft_vocab=40)
+    drafter = distill.init_drafter(target, cfg)
+    models.restrict_output_vocab(drafter, range(40))
+    samples = [distill.Sample(f"s{i}", 0.0, [1, 2, 3], [50, 60, 70]) for i in range(4)]  # ids >= 40
+    state = distill.train(drafter, samples, cfg, tmp_path / "outside.pt")
+    assert state.losses == [0.0]
+    samples = [distill.Sample("s", 0.0, [1, 2, 3], [5, 60, 7])]
+    assert distill.train(drafter, samples, cfg, tmp_path / "inside.pt").losses[0] > 0
