@@ -246,9 +246,9 @@ def _loss(model: Any, batch: list[Sample], cfg: TrainConfig, device: torch.devic
     if rows is not None:
         targets = torch.where(targets >= 0, rows[targets.clamp(min=0)], targets)
     on = targets != -100  # logits only where a response token is predicted: the vocabulary is large
-    if not bool(on.any()):  # no response token the head can draft: nothing to learn from this batch
-        return sum((p.sum() * 0.0 for p in model.parameters() if p.requires_grad), torch.zeros((), device=device))
     logits = _logits_at(model, ids, mask, on)
+    if not bool(on.any()):  # no response token the head can draft: a zero loss (an empty mean is NaN)
+        return logits.sum()
     loss = F.cross_entropy(logits, targets[on])
     if cfg.kl_weight > 0:
         with torch.no_grad():
