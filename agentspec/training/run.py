@@ -150,5 +150,10 @@ def report_markdown(report: dict[str, Any]) -> str:
                      f"| {b.get('alpha', float('nan')):.3f} | {a['alpha']:.3f} | {a['draft_ms_per_token']:.1f} | "
                      f"{b.get('measured_speedup', float('nan')):.2f} | {a['measured_speedup']:.2f} "
                      f"({a['predicted_speedup']:.2f}) | {_identity(a)} |")
+    after = report["after"]
+    if "t_ar" in after:
+        curve = ", ".join(f"{n}: {r:.2f}" for n, r in after.get("verify_cost_ratio", {}).items())
+        lines += ["", f"Evaluation ({report['config'].get('eval_dtype')}): plain decoding {after['t_ar'] * 1e3:.1f} "
+                      f"ms/token; verify cost t_v(n)/t_v(1) for n tokens: {curve}."]
     lines += ["", "Held-out ids: " + ", ".join(report["heldout_ids"]), ""]
     return "\n".join(lines)
