@@ -222,17 +222,18 @@ def warm_auto(client: SpecClient, warm: common.Prompt, max_new: int) -> int:
 
 
 def sweep(port: int, rtts: list[float], prompts: list[common.Prompt], warm: common.Prompt,
-          args: argparse.Namespace, tag: str) -> list[dict[str, Any]]:
+          args: argparse.Namespace, tag: str, passes: list[tuple[int, float]]) -> list[dict[str, Any]]:
     """Every fixed mode and ``auto`` (one per edge drafter) on every prompt at every RTT, one delay proxy
     per RTT, all open at once. The RTT points are interleaved — for each repetition and prompt, every RTT
     point runs its modes back to back, in rotated order — so the slow drift of this VM over a half-hour
-    run spreads over all points alike instead of making the later (higher-RTT) points slower."""
+    run spreads over all points alike instead of making the later (higher-RTT) points slower. Every
+    decode pass the server reports to a fixed mode's client goes into ``passes``: (γ, verify seconds)."""
     with ExitStack() as stack:
         points = []
         for rtt in rtts:
             proxy = stack.enter_context(DelayProxy("127.0.0.1", port, one_way_delay_s=rtt / 2e3))
             url = f"http://127.0.0.1:{proxy.port}"
-            clients = {name: make_client(url, mode, d, args) for name, mode, d in fixed_modes(args.drafters)}
+            clients = {name: make_client(url, mode, d, args, passes) for name, mode, d in fixed_modes(args.drafters)}
             warm_requests = {}
             for d in args.drafters:  # a fresh router per RTT point, warmed at this RTT
                 clients[f"auto:{d}"] = make_client(url, "auto", d, args)
@@ -366,27 +367,22 @@ def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, 
     with Verifier(target, args.gamma, thread) as srv:
         passes: list[tuple[int, float]] = []
         overhead = overheads(srv.port, warm, args, passes)
-        curve = served_curve(passes, args.gamma)
-        t_ar = curve[1]
-        replays = {name: Replay() for name, _, _ in fixed_modes(args.drafters)}
-        for ids, ref in zip(encoded, refs, strict=True):
-            for d in args.drafters:
-                replay(DRAFTERS[d](), ids, ref, args.gamma, args.max_new_tokens, curve, None, replays[f"edge:{d}"])
-            replay(DRAFTERS[SERVER_DRAFTER](), ids, ref, args.gamma, args.max_new_tokens, curve, args.segment_tokens,
-                   replays["server"])
-            replay(None, ids, ref, 0, args.max_new_tokens, curve, args.segment_tokens, replays["server-ar"])
-        log(tag, f"served t_v(k) ms ({len(passes)} passes):", " ".join(f"{k}:{s * 1e3:.1f}" for k, s in curve.items()),
-            "| replay:", "; ".join(f"{n} E[A] {r.tokens / r.rounds:.2f} γ̄ {r.drafted / r.rounds:.2f}"
-                                   for n, r in replays.items()))
+        start = calibrate(served_curve(passes, args.gamma), encoded, refs, overhead, args)
+        log(tag, f"served t_v(k) ms before the sweep ({len(passes)} passes):", _ms(start["curve"]), "| replay:",
+            "; ".join(f"{n} E[A] {r.tokens / r.rounds:.2f} γ̄ {r.drafted / r.rounds:.2f}"
+                      for n, r in start["replays"].items()))
         log(tag, "loopback overhead ms/round:", {k: round(v * 1e3, 2) for k, v in overhead.items()})
-        lines = {name: predict(replays[name], overhead[name], t_ar, mode) for name, mode, _ in fixed_modes(args.drafters)}
         # 3. the sweep
-        sweep_points = sweep(srv.port, args.rtts, prompts, warm, args, tag)
-        for rtt, point in zip(args.rtts, sweep_points, strict=True):
-            ms = {n: aggregate(rs)["ms_per_token"] for n, rs in point["runs"].items()}
-            log(tag, f"RTT {rtt:g} ms: ms/token " + " | ".join(
-                f"{n} {v:.1f} (pred {(lines[n][0] + lines[n][1] * rtt / 1e3) * 1e3:.1f})" if n in lines
-                else f"{n} {v:.1f}" for n, v in ms.items()))
+        sweep_passes: list[tuple[int, float]] = []
+        sweep_points = sweep(srv.port, args.rtts, prompts, warm, args, tag, sweep_passes)
+    cal = calibrate(served_curve(sweep_passes, args.gamma), encoded, refs, overhead, args)
+    curve, t_ar, replays, lines = cal["curve"], cal["curve"][1], cal["replays"], cal["lines"]
+    log(tag, f"served t_v(k) ms during the sweep ({len(sweep_passes)} passes):", _ms(curve))
+    for rtt, point in zip(args.rtts, sweep_points, strict=True):
+        ms = {n: aggregate(rs)["ms_per_token"] for n, rs in point["runs"].items()}
+        log(tag, f"RTT {rtt:g} ms: ms/token " + " | ".join(
+            f"{n} {v:.1f} (pred {_at(lines[n], rtt) * 1e3:.1f}; from the start's curve {_at(start['lines'][n], rtt) * 1e3:.1f})"
+            if n in lines else f"{n} {v:.1f}" for n, v in ms.items()))
     lossless = on_model(check_lossless, target, prompts, encoded, refs, sweep_points, args.rtts, noise["max_abs"],
                         args.tie_ulps)
     if lossless["real_failures"]:
@@ -397,8 +393,11 @@ def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, 
         modes = {n: aggregate(rs) for n, rs in point["runs"].items()}
         for n, m in modes.items():
             if n in lines:
-                m["predicted_ms_per_token"] = (lines[n][0] + lines[n][1] * rtt / 1e3) * 1e3
+                m["predicted_ms_per_token"] = _at(lines[n], rtt) * 1e3
                 m["prediction_rel_error"] = abs(m["predicted_ms_per_token"] - m["ms_per_token"]) / m["ms_per_token"]
+                m["predicted_ms_per_token_start_curve"] = _at(start["lines"][n], rtt) * 1e3
+                m["prediction_rel_error_start_curve"] = (abs(m["predicted_ms_per_token_start_curve"]
+                                                             - m["ms_per_token"]) / m["ms_per_token"])
         best = {d: max((f"edge:{d}", "server", "server-ar"), key=lambda n: modes[n]["tokens_per_s"])
                 for d in args.drafters}
         paired = {d: auto_vs_fixed(point["every_run"], d) for d in args.drafters}
@@ -414,7 +413,10 @@ def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, 
     return {"target": spec, "model": model_info(target, load_s), "dtype": str(target.dtype).replace("torch.", ""),
             "prompt_tokens": [len(x) for x in encoded], "reference_tokens": [len(r) for r in refs],
             "logit_path_noise": noise,
-            "calibration": {"verify_cost_s": curve, "verify_cost_offline_s": offline, "served_passes": len(passes),
+            "calibration": {"verify_cost_s": curve, "verify_cost_offline_s": offline, "served_passes": len(sweep_passes),
+                            "verify_cost_before_sweep_s": start["curve"], "served_passes_before_sweep": len(passes),
+                            "lines_before_sweep": {n: {"ms_per_token_at_0": a * 1e3, "ms_per_token_per_ms_rtt": b}
+                                                   for n, (a, b) in start["lines"].items()},
                             "t_ar_ms": t_ar * 1e3,
                             "overhead_ms_per_round": {k: v * 1e3 for k, v in overhead.items()},
                             "replay": {n: {**{k: v for k, v in asdict(r).items() if k != "gammas"},
@@ -423,6 +425,29 @@ def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, 
                                       for n, (a, b) in lines.items()}},
             "points": points, "break_even": break_even(args.drafters, replays, overhead, lines, t_ar, points),
             "lossless": lossless}
+
+
+def calibrate(curve: dict[int, float], encoded: list[list[int]], refs: list[list[int]], overhead: dict[str, float],
+              args: argparse.Namespace) -> dict[str, Any]:
+    """The closed forms' inputs for one served t_v(k) curve: each fixed mode's replay over the prompts (α, γ̄,
+    t_d, Σ t_v) and its line ``(a, b)``: seconds per token ``a + b·RTT``."""
+    replays = {name: Replay() for name, _, _ in fixed_modes(args.drafters)}
+    for ids, ref in zip(encoded, refs, strict=True):
+        for d in args.drafters:
+            replay(DRAFTERS[d](), ids, ref, args.gamma, args.max_new_tokens, curve, None, replays[f"edge:{d}"])
+        replay(DRAFTERS[SERVER_DRAFTER](), ids, ref, args.gamma, args.max_new_tokens, curve, args.segment_tokens,
+               replays["server"])
+        replay(None, ids, ref, 0, args.max_new_tokens, curve, args.segment_tokens, replays["server-ar"])
+    lines = {name: predict(replays[name], overhead[name], curve[1], mode) for name, mode, _ in fixed_modes(args.drafters)}
+    return {"curve": curve, "replays": replays, "lines": lines}
+
+
+def _at(line: tuple[float, float], rtt_ms: float) -> float:
+    return line[0] + line[1] * rtt_ms / 1e3
+
+
+def _ms(curve: dict[int, float]) -> str:
+    return " ".join(f"{k}:{s * 1e3:.1f}" for k, s in curve.items())
 
 
 def model_info(target: models.LoadedModel, load_s: float) -> dict[str, Any]:
@@ -444,6 +469,9 @@ def acceptance(targets: dict[str, dict]) -> dict[str, Any]:
     out = {"auto_vs_best_min": worst[0],
            "break_even_rel_error": None if None in be or not be else max(be),
            "per_mode_prediction_rel_error_max": max(pe), "delay_method": "proxy",
+           "per_mode_prediction_rel_error_max_start_curve": max(
+               m["prediction_rel_error_start_curve"] for r in targets.values() for p in r["points"]
+               for m in p["modes"].values() if "prediction_rel_error_start_curve" in m),
            "auto_vs_best_min_at": {"target": worst[1], "rtt_ms": worst[2], "drafter": worst[3]},
            "auto_vs_best_if_only_probes_min": min(x for r in targets.values() for p in r["points"]
                                                   for x in p["auto_vs_best_if_only_probes"].values()),

@@ -86,6 +86,9 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
                   f"{t['prompt_tokens']} tokens, references {t['reference_tokens']} tokens; t_ar = t_v(1) = "
                   f"{c['t_ar_ms']:.1f} ms; t_v(k) ms: " + ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in
                                                                     c["verify_cost_s"].items())
+                  + (" (before the sweep: " + ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in
+                                                       c["verify_cost_before_sweep_s"].items()) + ")"
+                     if "verify_cost_before_sweep_s" in c else "")
                   + "; per-round loopback overhead ms: " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                                      c["overhead_ms_per_round"].items()), "",
                   "| mode (replay) | rounds | tokens | γ̄ | E[A] | α (fit: E[A](α, γ̄) = E[A]) | accepted/drafted | "
@@ -108,8 +111,12 @@ def write_markdown(r: dict[str, Any], path: Path) -> None:
                          f"{d['position']}, margin {d['margin']:.4f} ({d['margin_ulps']:.2f} bf16 ulp)")
         lines.append("")
     lines += ["## Notes", "",
-              "* Predictions use `agentspec.router`'s closed forms fed only with the calibration: t_v(k) from "
-              "`measure_verify_cost` on the median prompt, t_ar = t_v(1), α and γ̄ from a replay of each mode's round "
+              "* Predictions use `agentspec.router`'s closed forms fed only with the calibration: t_v(k) a line "
+              "through the medians per γ of the decode passes the server reported to the fixed modes' clients during "
+              "the sweep (server compute only; this VM's speed drifts by up to ~20 % over a run, so a curve measured "
+              "before the sweep mispredicts every point alike: that curve and its predictions are kept in the JSON as "
+              "`verify_cost_before_sweep_s` and `predicted_ms_per_token_start_curve`), t_ar = t_v(1), α and γ̄ from a "
+              "replay of each mode's round "
               "loop against the plain greedy reference (α fitted so that E[A](α, γ̄) equals the replay's tokens per "
               "round: the router's accepted/drafted underestimates E[A] for copy drafters, whose acceptance is "
               "all-or-nothing), draft times measured in the replay, and a per-round loopback overhead measured "
