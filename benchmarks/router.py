@@ -375,7 +375,12 @@ def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, 
         # 3. the sweep
         sweep_passes: list[tuple[int, float]] = []
         sweep_points = sweep(srv.port, args.rtts, prompts, warm, args, tag, sweep_passes)
-    cal = calibrate(served_curve(sweep_passes, args.gamma), encoded, refs, overhead, args)
+    # each mode is replayed over the text it decoded: in bf16 a mode can diverge from plain greedy at an exact
+    # top-2 tie (lossless), and from there it decodes, and drafts against, a different continuation
+    texts = {name: [r["tokens"] for r in sweep_points[0]["runs"][name]] for name, _, _ in fixed_modes(args.drafters)}
+    texts_agree = {name: all(r["tokens"] == texts[name][j // args.reps] for point in sweep_points  # prompt-major
+                             for j, r in enumerate(point["every_run"][name])) for name in texts}
+    cal = calibrate(served_curve(sweep_passes, args.gamma), encoded, refs, overhead, args, texts)
     curve, t_ar, replays, lines = cal["curve"], cal["curve"][1], cal["replays"], cal["lines"]
     log(tag, f"served t_v(k) ms during the sweep ({len(sweep_passes)} passes):", _ms(curve))
     for rtt, point in zip(args.rtts, sweep_points, strict=True):
@@ -415,6 +420,9 @@ def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, 
             "logit_path_noise": noise,
             "calibration": {"verify_cost_s": curve, "verify_cost_offline_s": offline, "served_passes": len(sweep_passes),
                             "verify_cost_before_sweep_s": start["curve"], "served_passes_before_sweep": len(passes),
+                            "replayed_text": "each mode's own output (first RTT point's fastest run per prompt)",
+                            "replayed_text_same_in_every_run": texts_agree,
+                            "replayed_text_equals_plain": {n: t == refs for n, t in texts.items()},
                             "lines_before_sweep": {n: {"ms_per_token_at_0": a * 1e3, "ms_per_token_per_ms_rtt": b}
                                                    for n, (a, b) in start["lines"].items()},
                             "t_ar_ms": t_ar * 1e3,
@@ -428,16 +436,22 @@ def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, 
 
 
 def calibrate(curve: dict[int, float], encoded: list[list[int]], refs: list[list[int]], overhead: dict[str, float],
-              args: argparse.Namespace) -> dict[str, Any]:
+              args: argparse.Namespace, texts: dict[str, list[list[int]]] | None = None) -> dict[str, Any]:
     """The closed forms' inputs for one served t_v(k) curve: each fixed mode's replay over the prompts (α, γ̄,
-    t_d, Σ t_v) and its line ``(a, b)``: seconds per token ``a + b·RTT``."""
+    t_d, Σ t_v) and its line ``(a, b)``: seconds per token ``a + b·RTT``. Each mode is replayed over its
+    ``texts`` (per prompt), else over the plain greedy references ``refs``."""
     replays = {name: Replay() for name, _, _ in fixed_modes(args.drafters)}
-    for ids, ref in zip(encoded, refs, strict=True):
+
+    def text(name: str, i: int) -> list[int]:
+        return texts[name][i] if texts else refs[i]
+
+    for i, ids in enumerate(encoded):
         for d in args.drafters:
-            replay(DRAFTERS[d](), ids, ref, args.gamma, args.max_new_tokens, curve, None, replays[f"edge:{d}"])
-        replay(DRAFTERS[SERVER_DRAFTER](), ids, ref, args.gamma, args.max_new_tokens, curve, args.segment_tokens,
-               replays["server"])
-        replay(None, ids, ref, 0, args.max_new_tokens, curve, args.segment_tokens, replays["server-ar"])
+            replay(DRAFTERS[d](), ids, text(f"edge:{d}", i), args.gamma, args.max_new_tokens, curve, None,
+                   replays[f"edge:{d}"])
+        replay(DRAFTERS[SERVER_DRAFTER](), ids, text("server", i), args.gamma, args.max_new_tokens, curve,
+               args.segment_tokens, replays["server"])
+        replay(None, ids, text("server-ar", i), 0, args.max_new_tokens, curve, args.segment_tokens, replays["server-ar"])
     lines = {name: predict(replays[name], overhead[name], curve[1], mode) for name, mode, _ in fixed_modes(args.drafters)}
     return {"curve": curve, "replays": replays, "lines": lines}
 
