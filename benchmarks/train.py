@@ -78,16 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    out.with_suffix(".md").write_text(markdown(result, args.threads))
+    out.with_suffix(".md").write_text(markdown(result))
     common.log("acceptance:", json.dumps({k: v for k, v in acceptance.items() if not k.endswith("_ids")}))
     return 0
 
 
-def markdown(result: dict, threads: int) -> str:
+def markdown(result: dict) -> str:
     """``train.md``: the run's before/after report, the machine, the acceptance figures."""
     m, acceptance = result["meta"]["machine"], result["acceptance"]
     return (report_markdown(result["report"])
-            + f"\nMachine: {m['cpu']} ({', '.join(m['cpu_flags'])}), {threads} threads, torch {m.get('torch')}, "
+            + f"\nMachine: {m['cpu']} ({', '.join(m['cpu_flags'])}), {m['torch_threads']} threads, torch {m['torch']}, "
               f"commit {m.get('git_commit')}.\n\n## Acceptance\n\n"
             + "\n".join(f"* `{k}`: {v}" for k, v in acceptance.items() if not k.endswith("_ids")) + "\n")
 
