@@ -513,7 +513,7 @@ class SpecClient:
         run.stats.segments.append(seg)
         if seg.tokens:
             self.policy.observe_segment(seg.mode, seg.wall_s / seg.tokens, tokens=seg.tokens, rounds=seg.rounds,
-                                        drafted=seg.drafted, server_s=seg.server_s, draft_s=seg.draft_s)
+                                        drafted=seg.drafted, draft_s=seg.draft_s)
             if run.mode == "auto":
                 self.policy.observe_text(run.tokens, len(run.prompt), len(run.tokens) - seg.tokens)
 

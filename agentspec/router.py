@@ -361,8 +361,9 @@ class ModePolicy:
       tokens just committed (:func:`replay_chain`), so every mode is judged on the *same* text — segment
       costs are dominated by how predictable the text is, and modes run on different segments are not
       comparable. A mode without a shadow takes ``E[A]`` from its own rounds;
-    * a per-mode correction, EMA of measured / predicted time for the segments it ran (with that segment's
-      own rounds), absorbs what the closed forms leave out (HTTP and JSON per round, bookkeeping).
+    * a per-mode correction, EMA of measured time / the closed form's time for each segment the mode ran
+      (evaluated with that segment's own rounds, draft lengths and tokens), absorbs what the closed forms
+      leave out (HTTP and JSON per round, the server's bookkeeping around its passes, the t_v fit's error).
 
     Until a mode's inputs exist its measured seconds per token (EMA) stands in; a mode never run is tried
     first. Modes whose inputs are all observable without running them (shadowed, or server-ar) are never
@@ -522,9 +523,9 @@ class ModePolicy:
         self.per_round[mode] = (ema(old[0], mean_accepted, self.ema), ema(old[1], gamma, self.ema))
 
     def observe_segment(self, mode: str, seconds_per_token: float, *, tokens: int = 0, rounds: int = 0,
-                        drafted: int = 0, server_s: float = 0.0, draft_s: float = 0.0) -> None:
+                        drafted: int = 0, draft_s: float = 0.0) -> None:
         """A finished segment's wall seconds per committed token in ``mode`` (and, when known, its token,
-        round and draft counts and the server's and the drafter's seconds in it)."""
+        round and draft counts and the local drafter's seconds in it)."""
         if mode == self.probing and self.current is not None and self.current != mode:
             incumbent = self.predicted(self.current)
             interval = self.probe_interval.get(mode, self.probe_every)
@@ -537,8 +538,29 @@ class ModePolicy:
             return
         if mode not in self.shadows and mode != "server-ar":
             self._per_round(mode, tokens / rounds, drafted / rounds)
-        # the closed form's time for this very segment: its rounds, the server's and drafter's seconds in it
-        predicted = server_s + draft_s + (rounds * rtt if mode == "edge" else rtt)
-        if predicted > 0:
+        predicted = self._segment_closed_form(mode, tokens, rounds, drafted, draft_s)
+        if predicted is not None and predicted > 0:
             ratio = min(max(seconds_per_token * tokens / predicted, 0.5), 3.0)
             self.correction[mode] = ema(self.correction.get(mode), ratio, self.correction_ema)
+
+    def _segment_closed_form(self, mode: str, tokens: int, rounds: int, drafted: int, draft_s: float
+                             ) -> float | None:
+        """The closed form's seconds for a finished segment, fed with the segment's own round, token and
+        draft counts (and, for edge, its measured local drafting): what the correction compares the
+        segment's wall time with, so it absorbs everything the closed form leaves out — HTTP and JSON per
+        round, the server's bookkeeping around its passes, the fitted t_v's error — and nothing of how
+        predictable the segment's text was."""
+        rtt = self.network_s()
+        if rtt is None:
+            return None
+        if mode == "server-ar":
+            t_ar = self.server_costs.seconds(0)
+            return None if t_ar is None else rtt + tokens * t_ar
+        t_v = self.server_costs.seconds(drafted / rounds)  # linear in γ: Σ t_v(γ_i) = rounds · t_v(γ̄)
+        if t_v is None:
+            return None
+        if mode == "edge":
+            return draft_s + rounds * (rtt + t_v)
+        if mode == "server" and self.t_ds is not None:
+            return rtt + rounds * t_v + drafted * self.t_ds
+        return None

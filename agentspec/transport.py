@@ -56,6 +56,14 @@ def _is_transient(e: BaseException) -> bool:
     return isinstance(e, VerifierUnavailable)
 
 
+def _stale_connection(e: httpx.TransportError, answered: bool) -> bool:
+    """A kept-alive connection the server (or a middlebox) closed while idle, found out by sending on it:
+    the peer hung up before any response began, so the request never ran. Sent again once on a fresh
+    connection, whatever ``retries`` says; a request that did reach a live server and is sent again finds
+    its session's ``base_len`` moved on and is refused (ResendPrefix), so nothing is committed twice."""
+    return not answered and isinstance(e, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError)
+
+
 class HTTPTransport:
     """A verifier at ``base_url``; sync and async clients share settings, never an event loop."""
 
@@ -65,6 +73,7 @@ class HTTPTransport:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # idle connections are dropped before the server's keep-alive (KEEP_ALIVE_S = 75 s) would close them
         limits = httpx.Limits(max_keepalive_connections=16, keepalive_expiry=60)
         self.timeout = timeout
         self.retries = retries
@@ -82,27 +91,38 @@ class HTTPTransport:
                                 wait=wait_exponential(multiplier=0.05, max=1.0)):
             with attempt:
                 t0 = time.perf_counter()
-                try:
-                    r = self._client.post(path, json=body)
-                except httpx.TransportError as e:
-                    raise self._unavailable(e) from e
+                for stale_retry in (True, False):
+                    answered = False
+                    try:
+                        with self._client.stream("POST", path, json=body) as r:
+                            answered = True
+                            r.read()
+                        break
+                    except httpx.TransportError as e:
+                        if not (stale_retry and _stale_connection(e, answered)):
+                            raise self._unavailable(e) from e
                 return Timed(_check(r), time.perf_counter() - t0)
         raise AssertionError("unreachable")
 
     def stream_lines(self, path: str, body: dict[str, Any]) -> Iterator[Timed]:
         """POST and yield each NDJSON line as it arrives (no retries once streaming has begun)."""
-        t0 = time.perf_counter()
-        try:
-            with self._client.stream("POST", path, json=body) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    _check(r)
-                for line in r.iter_lines():
-                    if line:
-                        yield Timed(_line(line, r.status_code), time.perf_counter() - t0)
-                        t0 = time.perf_counter()
-        except httpx.TransportError as e:
-            raise self._unavailable(e) from e
+        for stale_retry in (True, False):
+            t0 = time.perf_counter()
+            answered = False
+            try:
+                with self._client.stream("POST", path, json=body) as r:
+                    answered = True
+                    if r.status_code >= 400:
+                        r.read()
+                        _check(r)
+                    for line in r.iter_lines():
+                        if line:
+                            yield Timed(_line(line, r.status_code), time.perf_counter() - t0)
+                            t0 = time.perf_counter()
+                return
+            except httpx.TransportError as e:
+                if not (stale_retry and _stale_connection(e, answered)):
+                    raise self._unavailable(e) from e
 
     def delete(self, path: str) -> None:
         with contextlib.suppress(httpx.HTTPError):  # closing is best effort
@@ -120,26 +140,38 @@ class HTTPTransport:
                                            wait=wait_exponential(multiplier=0.05, max=1.0)):
             with attempt:
                 t0 = time.perf_counter()
-                try:
-                    r = await self._aclient.post(path, json=body)
-                except httpx.TransportError as e:
-                    raise self._unavailable(e) from e
+                for stale_retry in (True, False):
+                    answered = False
+                    try:
+                        async with self._aclient.stream("POST", path, json=body) as r:
+                            answered = True
+                            await r.aread()
+                        break
+                    except httpx.TransportError as e:
+                        if not (stale_retry and _stale_connection(e, answered)):
+                            raise self._unavailable(e) from e
                 return Timed(_check(r), time.perf_counter() - t0)
         raise AssertionError("unreachable")
 
     async def astream_lines(self, path: str, body: dict[str, Any]) -> AsyncIterator[Timed]:
-        t0 = time.perf_counter()
-        try:
-            async with self._aclient.stream("POST", path, json=body) as r:
-                if r.status_code >= 400:
-                    await r.aread()
-                    _check(r)
-                async for line in r.aiter_lines():
-                    if line:
-                        yield Timed(_line(line, r.status_code), time.perf_counter() - t0)
-                        t0 = time.perf_counter()
-        except httpx.TransportError as e:
-            raise self._unavailable(e) from e
+        """The async twin of :meth:`stream_lines`."""
+        for stale_retry in (True, False):
+            t0 = time.perf_counter()
+            answered = False
+            try:
+                async with self._aclient.stream("POST", path, json=body) as r:
+                    answered = True
+                    if r.status_code >= 400:
+                        await r.aread()
+                        _check(r)
+                    async for line in r.aiter_lines():
+                        if line:
+                            yield Timed(_line(line, r.status_code), time.perf_counter() - t0)
+                            t0 = time.perf_counter()
+                return
+            except httpx.TransportError as e:
+                if not (stale_retry and _stale_connection(e, answered)):
+                    raise self._unavailable(e) from e
 
     def _unavailable(self, e: httpx.TransportError) -> VerifierUnavailable:
         """Timeouts and connection failures (httpx.TimeoutException is a TransportError)."""

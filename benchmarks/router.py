@@ -25,10 +25,12 @@ measures the bare questions (n-gram E[A] ≈ 1.3 there, a break-even RTT of a fe
    RTT point in turn runs every fixed mode (``edge`` per drafter, ``server``, ``server-ar``) and ``auto``
    (a fresh client per RTT and drafter, warmed until the router has measured every mode) back to back in
    rotated order — a *block*. Interleaving the RTT points spreads the VM's drift over all of them alike.
-   Per mode the fastest repetition of each prompt gives its ms/token (interference on a shared 2-core VM
-   only ever adds time); ``auto`` is compared with each fixed mode by the median over blocks of the
-   paired tokens/s ratio, which cancels what the two runs of a block share (every repetition is checked
-   for losslessness). Decode time is the sum of the client's segment wall times (session open and close
+   Then ``--extra-reps`` (default 5) more blocks run the *contenders* only: both ``auto`` routers and the
+   fixed modes within ``--contender-margin`` (15 %) of the best fixed mode's tokens/s so far. Per mode the
+   fastest of the base repetitions of each prompt gives its ms/token (interference on a shared 2-core VM
+   only ever adds time; every mode gets as many tries); ``auto`` is compared with each fixed mode by the
+   median over blocks of the paired tokens/s ratio (24 blocks against a contender, 9 against the rest),
+   which cancels what the two runs of a block share (every run is checked for losslessness). Decode time is the sum of the client's segment wall times (session open and close
    left out); end-to-end time is kept too;
 4. predictions from :mod:`agentspec.router`'s closed forms fed with the calibration, the break-even RTT
    (edge vs plain decoding on the server, predicted, and measured where least-squares lines through the
@@ -169,23 +171,35 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
                            for r in runs]}
 
 
-def paired_ratios(every: dict[str, list[dict]], auto: str, fixed: str) -> list[float]:
-    """auto's tokens/s ÷ ``fixed``'s, per block (one prompt, one repetition: every mode ran back to back)."""
+def paired_ratios(tries: list[dict[str, list[dict]]], auto: str, fixed: str) -> list[float]:
+    """auto's tokens/s ÷ ``fixed``'s, per block (one prompt, one repetition: every mode ran back to back).
+    ``tries``: per prompt, each mode's runs by repetition; a mode that was no contender ran only the base
+    repetitions, and ``zip`` pairs those."""
     return [(len(a["tokens"]) / a["decode_s"]) / (len(f["tokens"]) / f["decode_s"])
-            for a, f in zip(every[auto], every[fixed], strict=True)]
+            for per in tries for a, f in zip(per[auto], per[fixed], strict=False)]
 
 
-def auto_vs_fixed(every: dict[str, list[dict]], drafter: str) -> dict[str, dict[str, Any]]:
+def auto_vs_fixed(tries: list[dict[str, list[dict]]], drafter: str) -> dict[str, dict[str, Any]]:
     """Per fixed mode: the median over blocks of the paired ratio auto / mode, and the ratios themselves.
 
-    Two clients in the *same* mode differ by ±10-25 % from one request to the next on this 2-core VM (the
-    forward passes' own jitter), more than the routing effects measured here; pairing the runs that ran
-    back to back and taking the median cancels drift and outliers that the fastest-of-reps does not."""
+    One request's decode time scatters by ~7 % (s.d.) on this 2-core VM even in one mode on one prompt —
+    the server-reported forward passes move with it, so it is the CPU — and a paired ratio by more; pairing
+    the runs that ran back to back and taking the median over many blocks (the contenders' extra
+    repetitions) cancels drift and outliers that the fastest-of-reps does not."""
     out = {}
     for name in (f"edge:{drafter}", "server", "server-ar"):
-        r = paired_ratios(every, f"auto:{drafter}", name)
-        out[name] = {"median": statistics.median(r), "ratios": [round(x, 4) for x in r]}
+        r = paired_ratios(tries, f"auto:{drafter}", name)
+        out[name] = {"median": statistics.median(r), "blocks": len(r), "ratios": [round(x, 4) for x in r]}
     return out
+
+
+def contenders(tries: list[dict[str, list[dict]]], names: list[str], margin: float) -> list[str]:
+    """The modes that get the extra repetitions: every ``auto`` and each fixed mode whose tokens/s over the
+    base repetitions (total tokens ÷ total decode seconds) is within ``margin`` of the best fixed mode's."""
+    tps = {n: sum(len(r["tokens"]) for per in tries for r in per[n]) / sum(r["decode_s"] for per in tries
+                                                                             for r in per[n]) for n in names}
+    best = max(v for n, v in tps.items() if not n.startswith("auto:"))
+    return [n for n in names if n.startswith("auto:") or tps[n] >= (1 - margin) * best]
 
 
 # ---- calibration and the sweep -----------------------------------------------------------------------
@@ -244,21 +258,27 @@ def sweep(port: int, rtts: list[float], prompts: list[common.Prompt], warm: comm
                            "tries": [{n: [] for n in clients} for _ in prompts]})
         names = list(points[0]["clients"])
         t0 = time.perf_counter()
-        for rep in range(args.reps):
+        for rep in range(args.reps + args.extra_reps):
+            if rep == args.reps:
+                for rtt, point in zip(rtts, points, strict=True):
+                    point["contenders"] = contenders(point["tries"], names, args.contender_margin)
+                    log(tag, f"RTT {rtt:g} ms: extra repetitions for {point['contenders']}")
             for i, prompt in enumerate(prompts):
                 for j, point in enumerate(points):
-                    shift = (i + rep + j) % len(names)
-                    for name in names[shift:] + names[:shift]:
+                    group = names if rep < args.reps else point["contenders"]
+                    shift = (i + rep + j) % len(group)
+                    for name in group[shift:] + group[:shift]:
                         point["tries"][i][name].append(request(point["clients"][name], prompt, args.max_new_tokens))
-            log(tag, f"sweep repetition {rep + 1}/{args.reps} done ({time.perf_counter() - t0:.0f}s)")
-        return [sweep_result(point, names, args.drafters) for point in points]
+            log(tag, f"sweep repetition {rep + 1}/{args.reps + args.extra_reps} done ({time.perf_counter() - t0:.0f}s)")
+        return [sweep_result(point, names, args.drafters, args.reps) for point in points]
 
 
-def sweep_result(point: dict[str, Any], names: list[str], drafters: list[str]) -> dict[str, Any]:
-    """One RTT point's runs: ``runs`` (the fastest repetition per mode and prompt), ``every_run`` (all of
-    them, block order: prompt-major, then repetition) and what each ``auto`` router learnt."""
+def sweep_result(point: dict[str, Any], names: list[str], drafters: list[str], reps: int) -> dict[str, Any]:
+    """One RTT point's runs: ``runs`` (the fastest of the ``reps`` base repetitions per mode and prompt, so
+    that every mode's figure rests on as many tries), ``tries`` (per prompt, every mode's runs by
+    repetition), ``every_run`` (all of them, prompt-major), the contenders and what each ``auto`` learnt."""
     every: dict[str, list[dict]] = {n: [r for tries in point["tries"] for r in tries[n]] for n in names}
-    runs = {n: [min(tries[n], key=lambda r: r["decode_s"]) for tries in point["tries"]] for n in names}
+    runs = {n: [min(tries[n][:reps], key=lambda r: r["decode_s"]) for tries in point["tries"]] for n in names}
     routers = {}
     for d in drafters:
         p = point["clients"][f"auto:{d}"].policy
@@ -268,7 +288,8 @@ def sweep_result(point: dict[str, Any], names: list[str], drafters: list[str]) -
                       "correction": dict(p.correction), "last_predictions_ms": dict(p.last_predictions),
                       "per_round": dict(p.per_round),
                       "ms_per_token_estimates": {m: s * 1e3 for m, s in p.seconds_per_token.items()}}
-    return {"runs": runs, "every_run": every, "routers": routers}
+    return {"runs": runs, "tries": point["tries"], "every_run": every, "routers": routers,
+            "contenders": point.get("contenders", names)}
 
 
 def check_lossless(target: models.LoadedModel, prompts: list[common.Prompt], encoded: list[list[int]],
@@ -378,8 +399,8 @@ def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, 
     # each mode is replayed over the text it decoded: in bf16 a mode can diverge from plain greedy at an exact
     # top-2 tie (lossless), and from there it decodes, and drafts against, a different continuation
     texts = {name: [r["tokens"] for r in sweep_points[0]["runs"][name]] for name, _, _ in fixed_modes(args.drafters)}
-    texts_agree = {name: all(r["tokens"] == texts[name][j // args.reps] for point in sweep_points  # prompt-major
-                             for j, r in enumerate(point["every_run"][name])) for name in texts}
+    texts_agree = {name: all(r["tokens"] == texts[name][i] for point in sweep_points
+                             for i, per in enumerate(point["tries"]) for r in per[name]) for name in texts}
     cal = calibrate(served_curve(sweep_passes, args.gamma), encoded, refs, overhead, args, texts)
     curve, t_ar, replays, lines = cal["curve"], cal["curve"][1], cal["replays"], cal["lines"]
     log(tag, f"served t_v(k) ms during the sweep ({len(sweep_passes)} passes):", _ms(curve))
@@ -405,8 +426,9 @@ def _bench_target(spec: str, prompts: list[common.Prompt], warm: common.Prompt, 
                                                              - m["ms_per_token"]) / m["ms_per_token"])
         best = {d: max((f"edge:{d}", "server", "server-ar"), key=lambda n: modes[n]["tokens_per_s"])
                 for d in args.drafters}
-        paired = {d: auto_vs_fixed(point["every_run"], d) for d in args.drafters}
+        paired = {d: auto_vs_fixed(point["tries"], d) for d in args.drafters}
         points.append({"rtt_ms": rtt, "modes": modes, "best_fixed": best, "routers": point["routers"],
+                       "contenders": point["contenders"],
                        "auto_vs_best": {d: min(v["median"] for v in paired[d].values()) for d in args.drafters},
                        "auto_vs_best_paired_against": {d: min(paired[d], key=lambda n: paired[d][n]["median"])
                                                        for d in args.drafters},
@@ -518,6 +540,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--curve-reps", type=int, default=5, help="repetitions per verify-cost point")
     p.add_argument("--reps", type=int, default=None,
                    help="blocks of every (mode, RTT) per prompt (default 3; --quick 1)")
+    p.add_argument("--extra-reps", type=int, default=None,
+                   help="further blocks for the contenders only: auto and the fixed modes within --contender-margin "
+                        "of the best after the base repetitions (default 5; --quick 1)")
+    p.add_argument("--contender-margin", type=float, default=0.15,
+                   help="a fixed mode this close to the best fixed mode's tokens/s is a contender (default 0.15)")
     p.add_argument("--overhead-reps", type=int, default=None, help="timed calibration requests per mode (default 2)")
     p.add_argument("--agent-step", action=argparse.BooleanOptionalAction, default=True,
                    help="measure step 2 of an agent loop (the target's first answer, a timed-out call, a retry "
@@ -539,6 +566,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.segment_tokens = a.segment_tokens or (8 if q else 16)
     a.overhead_reps = a.overhead_reps or (1 if q else 2)
     a.reps = a.reps or (1 if q else 3)
+    a.extra_reps = (1 if q else 5) if a.extra_reps is None else a.extra_reps
     a.out = Path(a.out or f"benchmarks/results/router{'_quick' if q else ''}.json")
     return a
 
@@ -558,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts {[p.id for p in prompts]}, {args.max_new_tokens} new tokens, delay: DelayProxy on loopback")
     settings = {k: getattr(args, k) for k in ("targets", "drafters", "rtts", "prompts", "categories",
                                               "max_new_tokens", "gamma", "segment_tokens", "curve_reps", "overhead_reps",
-                                              "reps", "agent_step", "first_step_tokens",
+                                              "reps", "extra_reps", "contender_margin", "agent_step", "first_step_tokens",
                                               "tie_ulps", "threads", "quick")}
     meta = {"settings": settings, "machine": common.machine_info(), "delay_method": "proxy",
             "delay": "agentspec.delay_proxy.DelayProxy on 127.0.0.1, one-way delay RTT/2 each direction "

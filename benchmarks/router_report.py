@@ -22,15 +22,17 @@ def tables(r: dict[str, Any]) -> list[str]:
         lines += [f"### {spec}", "", "Decode tokens/s (session open/close excluded; the fastest repetition per "
                   "prompt); `auto/best` = auto ÷ the best fixed mode it could pick (edge with its drafter, server, "
                   "server-ar): the smallest over those modes of the median paired ratio (runs of one block: same "
-                  "prompt and repetition, back to back), then the mode it is against and the same ratio from the "
-                  "fastest repetitions; `probes-only` = what auto/best "
+                  "prompt and repetition, back to back; over the base and the extra repetitions for a contender, "
+                  "marked *, over the base ones for the rest), then the mode it is against and the same ratio "
+                  "from the fastest repetitions; `probes-only` = what auto/best "
                   "would be if auto lost only to ModePolicy's periodic probes of the modes it cannot judge by shadow "
                   "replays (1.000: every mode is shadowed, nothing is probed).", "",
                   "| RTT ms | " + " | ".join(names) + " | " + " | ".join(f"auto/best ({d})" for d in drafters) + " |",
                   "|---" * (1 + len(names) + len(drafters)) + "|"]
         for p in t["points"]:
             lines.append(f"| {p['rtt_ms']:g} | " + " | ".join(_f(p["modes"][n]["tokens_per_s"], 2) for n in names)
-                         + " | " + " | ".join(f"{p['auto_vs_best'][d]:.3f} ({p['auto_vs_best_paired_against'][d]}; "
+                         + " | " + " | ".join(f"{p['auto_vs_best'][d]:.3f} ({_star(p, p['auto_vs_best_paired_against'][d])}, "
+                                              f"{_blocks(p, d)} blocks; "
                                               f"fastest reps {p['auto_vs_best_fastest_reps'][d]:.3f} vs "
                                               f"{p['best_fixed'][d]}; probes-only "
                                               f"{p['auto_vs_best_if_only_probes'][d]:.3f})" for d in drafters)
@@ -171,3 +173,14 @@ def write_plot(r: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _star(point: dict, mode: str) -> str:
+    """``mode``, with * when it was a contender (it ran the extra repetitions)."""
+    return mode + ("*" if mode in point.get("contenders", ()) else "")
+
+
+def _blocks(point: dict, drafter: str) -> int:
+    """Blocks behind auto/best's paired median."""
+    against = point["auto_vs_best_paired_against"][drafter]
+    return point["auto_vs_fixed_paired"][drafter][against].get("blocks", 0)

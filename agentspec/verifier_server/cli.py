@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import os
 import re
 import threading
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes(str(_env("max_body_bytes", "4MiB"))))
     p.add_argument("--request-timeout", type=_positive(float), default=float(_env("request_timeout", 600.0)),
                    help="seconds before a request is answered 504")
+    p.add_argument("--keep-alive", type=_positive(float), default=float(_env("keep_alive", 75.0)),
+                   help="seconds an idle HTTP connection stays open (default 75: longer than clients keep theirs)")
     p.add_argument("--allow-download", action="store_true", help="let hub ids download (off by default)")
     p.add_argument("--log-level", default=_env("log_level", "info"))
     return p
@@ -106,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
                           max_draft_tokens=a.max_draft_tokens, max_batch_size=a.max_batch_size,
                           batch_window_s=max(a.batch_window_ms, 0.0) / 1e3, api_keys=tuple(keys),
                           max_body_bytes=a.max_body_bytes, request_timeout_s=a.request_timeout,
-                          prefill_chunk_tokens=a.prefill_chunk_tokens)
+                          prefill_chunk_tokens=a.prefill_chunk_tokens, keep_alive_s=a.keep_alive)
     return Args(model, a.draft_model, a.host, a.port, config, a.dtype, a.device, a.allow_download, a.log_level)
 
 
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("ready: %s on http://%s:%d", args.config.served_model_name, args.host, args.port)
 
     threading.Thread(target=load, daemon=True).start()
-    uvicorn.run(lazy, host=args.host, port=args.port, log_level=args.log_level.lower(), lifespan="off")
+    uvicorn.run(lazy, host=args.host, port=args.port, log_level=args.log_level.lower(), lifespan="off",
+                timeout_keep_alive=int(math.ceil(args.config.keep_alive_s)))
     return 0
 
 

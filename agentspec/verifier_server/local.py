@@ -9,6 +9,7 @@ second process holding a second copy of the model::
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,8 @@ class LocalVerifier:
                                      executor=executor)
         if warm:
             self.engine.warm_up()
-        cfg = uvicorn.Config(create_app(self.engine), host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        cfg = uvicorn.Config(create_app(self.engine), host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                             timeout_keep_alive=int(math.ceil(config.keep_alive_s)))
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="agentspec-verifier")
         self.url = ""

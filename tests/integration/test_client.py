@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import pytest
 
 from agentspec.client import FinalEvent, SpecClient, TextEvent
+from agentspec.delay_proxy import DelayProxy
 from agentspec.drafters import ModelDrafter, NgramDrafter
 from agentspec.router import ModePolicy
-from agentspec.transport import VerifierUnavailable
+from agentspec.transport import HTTPTransport, VerifierUnavailable
 from tests.helpers import plain_greedy
 from tests.integration.server import LoopbackServer, config
 
@@ -68,6 +72,25 @@ def test_failover_to_second_verifier_keeps_every_token(target, reference):
         final = events[-1]
         assert final.tokens == reference
         assert final.stats.fallbacks and "VerifierUnavailable" in final.stats.fallbacks[0]
+
+
+def test_a_connection_closed_while_idle_is_sent_again_not_failed(target, reference):
+    """The server closes an idle kept-alive connection (keep-alive 1 s) and the client only learns it by
+    using it: the proxy's 0.5 s one-way delay holds the server's FIN back, so the next request, sent 0.75 s
+    after the last answer, goes out on a connection that is already closed. With ``retries=0`` it is sent
+    again on a fresh connection once, both for a plain POST and for a stream, and nothing is lost."""
+    with (LoopbackServer(target, replace(config(), keep_alive_s=1.0)) as srv,
+          DelayProxy("127.0.0.1", int(srv.url.rsplit(":", 1)[1]), one_way_delay_s=0.5) as proxy):
+        t = HTTPTransport(f"http://127.0.0.1:{proxy.port}", retries=0, timeout=10)
+        opened = t.post("/v1/spec/sessions", {"messages": MESSAGES, "max_new_tokens": 4}).body
+        time.sleep(0.75)  # the server closes at +0.5 s; its FIN reaches the client at +1.0 s
+        again = t.post("/v1/spec/sessions", {"prompt_ids": opened["prompt_ids"], "max_new_tokens": 4}).body
+        time.sleep(0.75)
+        lines = [x.body for x in t.stream_lines(f"/v1/spec/sessions/{again['session_id']}/generate",
+                                                 {"base_len": len(opened["prompt_ids"]), "mode": "server-ar",
+                                                  "max_new_tokens": 4})]
+        t.close()
+    assert [tok for x in lines for tok in x["tokens"]] == reference[:4]
 
 
 def test_api_fallback_is_recorded(target):

@@ -109,13 +109,13 @@ def test_replay_chain_counts_rounds_as_the_engine_would():
 
 
 def _feed(policy: router.ModePolicy, mode: str, *, rtt: float, t_v: dict[int, float], text: list[int],
-          prompt_len: int, rounds: int, server_s: float, wall_s: float) -> None:
+          prompt_len: int, rounds: int, wall_s: float, drafted: int = 0) -> None:
     """One finished segment as the client reports it."""
     for g, s in t_v.items():
         policy.server_costs.observe(g, s)
     policy.observe_open(rtt, 0.0)
     policy.observe_segment(mode, wall_s / (len(text) - prompt_len), tokens=len(text) - prompt_len, rounds=rounds,
-                           server_s=server_s)
+                           drafted=drafted)
     policy.observe_text(text, prompt_len, prompt_len)
 
 
@@ -127,7 +127,7 @@ def test_mode_policy_judges_unrun_modes_by_shadow_replays_and_never_probes_them(
     policy = router.ModePolicy(has_drafter=False, shadows={"server": NgramDrafter()}, segment_tokens=16)
     policy.t_ds = 0.0005
     for _ in range(3):
-        _feed(policy, "server-ar", rtt=0.1, t_v=t_v, text=text, prompt_len=20, rounds=16, server_s=0.8, wall_s=0.9)
+        _feed(policy, "server-ar", rtt=0.1, t_v=t_v, text=text, prompt_len=20, rounds=16, wall_s=0.9)
     mean_accepted, gamma = policy.per_round["server"]
     assert mean_accepted > 3 and gamma > 2  # from the shadow, without a single server-mode round
     assert policy.closed_form("server") < policy.closed_form("server-ar")
@@ -142,9 +142,25 @@ def test_mode_policy_correction_absorbs_per_round_overhead():
     t_v = {0: 0.050}
     policy = router.ModePolicy(has_drafter=False, segment_tokens=16)
     text = list(range(1, 37))
-    _feed(policy, "server-ar", rtt=0.0, t_v=t_v, text=text, prompt_len=20, rounds=16, server_s=0.8, wall_s=0.96)
+    _feed(policy, "server-ar", rtt=0.0, t_v=t_v, text=text, prompt_len=20, rounds=16, wall_s=0.96)
     assert policy.correction["server-ar"] == pytest.approx(1.2)
     assert policy.predicted("server-ar") == pytest.approx(0.060)
+
+
+def test_mode_policy_correction_is_against_the_closed_form_not_the_reported_server_time():
+    """Server mode: a segment of 4 rounds of γ = 4 at RTT 20 ms on t_v(4) = 60 ms and t_ds = 1 ms/token
+    has a closed-form time of 20 + 4·60 + 16·1 = 276 ms. Whatever the server reported for it, a wall time
+    of 331.2 ms is a correction of 1.2 — the server's work around its passes counts as overhead — and the
+    prediction of the next segment carries it."""
+    t_v = {g: 0.040 + 0.005 * g for g in range(5)}
+    policy = router.ModePolicy(has_drafter=False, shadows={"server": NgramDrafter()}, segment_tokens=16)
+    policy.t_ds = 0.001
+    text = list(range(1, 21)) + list(range(1, 17))  # every draft right: 4 rounds of 4 tokens
+    _feed(policy, "server", rtt=0.020, t_v=t_v, text=text, prompt_len=20, rounds=4, drafted=16, wall_s=0.3312)
+    assert policy.correction["server"] == pytest.approx(1.2)
+    mean_accepted, gamma = policy.per_round["server"]
+    closed = 0.020 / 16 + (gamma * 0.001 + policy.server_costs.seconds(gamma)) / mean_accepted
+    assert policy.predicted("server") == pytest.approx(1.2 * closed)
 
 
 MAX_NEW = 40
