@@ -24,6 +24,10 @@ from tenacity import (
 
 from agentspec.protocol import RESEND_PREFIX_CODES
 
+# Idle connections are dropped after this long, before agentspec-verifier's keep-alive (--keep-alive,
+# 75 s by default) would close them under a request.
+KEEPALIVE_EXPIRY_S = 60.0
+
 
 class VerifierError(Exception):
     """The verifier refused or failed a request; ``code`` is the server's error code when it sent one."""
@@ -73,8 +77,7 @@ class HTTPTransport:
             raise ValueError(f"retries must be >= 0, got {retries}")
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # idle connections are dropped before the server's keep-alive (KEEP_ALIVE_S = 75 s) would close them
-        limits = httpx.Limits(max_keepalive_connections=16, keepalive_expiry=60)
+        limits = httpx.Limits(max_keepalive_connections=16, keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self.timeout = timeout
         self.retries = retries
         self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, http2=http2,

@@ -67,7 +67,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024**2
     prefill_chunk_tokens: int = 512  # long prompts are prefilled in chunks: bounded activation memory
     request_timeout_s: float = 600.0
-    # idle HTTP keep-alive: longer than the client's (agentspec.transport keeps idle connections 60 s), so
+    # idle HTTP keep-alive: longer than the client's (agentspec.transport.KEEPALIVE_EXPIRY_S, 60 s), so
     # the server never closes a connection the client is about to reuse (uvicorn's own default is 5 s)
     keep_alive_s: float = 75.0
 

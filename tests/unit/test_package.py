@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def test_import_is_light():
     code = (
@@ -37,3 +39,16 @@ def test_served_model_names_and_aliases(monkeypatch):
     assert args.config.served_model_name == "qwen" and args.config.served_names == ("qwen", "qwen-coder", "gpt-4o")
     monkeypatch.setenv("AGENTSPEC_SERVED_MODEL_NAME", "a b")
     assert parse_args(["m"]).config.served_names == ("a", "b")
+
+
+def test_keep_alive_outlasts_the_clients_idle_connections(monkeypatch):
+    """The server must not close an idle connection the client may still reuse."""
+    from agentspec.transport import KEEPALIVE_EXPIRY_S
+    from agentspec.verifier_server.cli import parse_args
+
+    assert parse_args(["m"]).config.keep_alive_s > KEEPALIVE_EXPIRY_S
+    assert parse_args(["m", "--keep-alive", "120"]).config.keep_alive_s == 120
+    monkeypatch.setenv("AGENTSPEC_KEEP_ALIVE", "90")
+    assert parse_args(["m"]).config.keep_alive_s == 90
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--keep-alive", "0"])
