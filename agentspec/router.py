@@ -240,6 +240,11 @@ class DraftLengthPolicy:
     ``rate(γ) = E[A](γ) / (γ·t_d + t_v(γ))`` with the estimates above; γ = 0 (a plain step) is always a
     candidate, so a drafter that does not pay for itself is switched off — but every ``probe_every``
     rounds at zero, one round drafts ``min_probe`` tokens so the estimates can recover.
+
+    Acceptance is also kept per content ``kind`` (``"tool"``: inside a tool call's or a structured answer's
+    JSON, ``"text"``: free text — drafts of JSON keys and copied ids are taken far more often than drafts
+    of prose); the caller sets :attr:`kind` before a round, and once that kind has ``min_kind_rounds``
+    rounds its own estimate replaces the pooled one.
     """
 
     costs: CostCurve = field(default_factory=CostCurve)
@@ -247,8 +252,16 @@ class DraftLengthPolicy:
     draft_seconds_per_token: float = 0.0
     probe_every: int = 16
     min_probe: int = 1
+    kind: str = "text"
+    min_kind_rounds: int = 4
+    by_kind: dict[str, AcceptanceEstimator] = field(default_factory=dict)
     _zero_streak: int = 0
     last_rates: dict[int, float] = field(default_factory=dict)
+
+    def current_acceptance(self) -> AcceptanceEstimator:
+        """The estimator for the current kind when it has enough rounds, else the pooled one."""
+        own = self.by_kind.get(self.kind)
+        return own if own is not None and own.reached and own.reached[0] >= self.min_kind_rounds else self.acceptance
 
     @classmethod
     def from_calibration(cls, seconds_by_pass_len: Mapping[int, float], **kwargs: object) -> DraftLengthPolicy:
@@ -265,7 +278,7 @@ class DraftLengthPolicy:
         self.last_rates = {}
         for gamma in range(k_max + 1):
             t = gamma * self.draft_seconds_per_token + (self.costs.seconds(gamma) or 0.0)
-            self.last_rates[gamma] = self.acceptance.expected_tokens(gamma) / t if t > 0 else 0.0
+            self.last_rates[gamma] = self.current_acceptance().expected_tokens(gamma) / t if t > 0 else 0.0
         best = max(self.last_rates, key=lambda g: (self.last_rates[g], -g))
         if best == 0:
             self._zero_streak += 1
@@ -277,8 +290,10 @@ class DraftLengthPolicy:
         return best
 
     def observe(self, drafted: int, reached: int, accepted: int, verify_s: float | None,
-                draft_s: float = 0.0, pass_tokens: int | None = None) -> None:
-        """Feed back one round. ``verify_s`` only for decode-time passes (not the prompt's prefill).
+                draft_s: float | None = None, pass_tokens: int | None = None) -> None:
+        """Feed back one round. ``verify_s`` only for decode-time passes (not the prompt's prefill);
+        ``draft_s`` when measured: the drafting on the round's critical path (0 for a draft made while the
+        round before was in flight, which is how pipelining lowers the draft cost the policy sees).
 
         ``drafted``/``reached``/``accepted`` count the tokens the policy chose (not grammar-forced ones);
         ``pass_tokens`` is the draft's full size when forced tokens rode along (default ``drafted``)."""
@@ -286,7 +301,10 @@ class DraftLengthPolicy:
             self.costs.observe(drafted if pass_tokens is None else pass_tokens, verify_s)
         if reached:
             self.acceptance.observe(reached, accepted)
-        if drafted and draft_s > 0:
+            own = self.by_kind.setdefault(self.kind, AcceptanceEstimator(self.acceptance.prior_alpha,
+                                                                          self.acceptance.prior_weight))
+            own.observe(reached, accepted)
+        if drafted and draft_s is not None:
             self.draft_seconds_per_token = ema(self.draft_seconds_per_token or None, draft_s / drafted, 0.2)
 
 
@@ -361,6 +379,9 @@ class ModePolicy:
       tokens just committed (:func:`replay_chain`), so every mode is judged on the *same* text — segment
       costs are dominated by how predictable the text is, and modes run on different segments are not
       comparable. A mode without a shadow takes ``E[A]`` from its own rounds;
+    * ``E[A]`` and ``γ̄`` are also kept per content kind (``"tool"``/``"text"``, as the client reports the
+      kind at each segment's start): :meth:`choose` with a ``kind`` uses that kind's estimates when there
+      are any — a tool call's JSON can favour a mode that free text does not;
     * a per-mode correction, EMA of measured time / the closed form's time for each segment the mode ran
       (evaluated with that segment's own rounds, draft lengths and tokens), absorbs what the closed forms
       leave out (HTTP and JSON per round, the server's bookkeeping around its passes, the t_v fit's error).
@@ -398,6 +419,8 @@ class ModePolicy:
     server_costs: LinearCost = field(default_factory=LinearCost)  # server-reported t_v(γ), fitted
     shadows: dict[str, Any] = field(default_factory=dict)  # mode -> chain drafter replayed over committed text
     per_round: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (E[A], γ̄), EMA
+    per_round_kind: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)  # (mode, kind) -> ...
+    kind: str = "text"  # content kind of the segment being chosen / run
     correction: dict[str, float] = field(default_factory=dict)  # mode -> measured / predicted, EMA
     rtt: float | None = None  # wall − server compute − local drafting, per edge round (EMA)
     rtt_open: float | None = None  # the same per session open (EMA)
@@ -414,8 +437,10 @@ class ModePolicy:
         judged_unrun = mode == "server-ar" or mode in self.shadows
         return not judged_unrun or self.closed_form(mode) is None
 
-    def choose(self) -> str:
-        """The mode for the next segment."""
+    def choose(self, kind: str | None = None) -> str:
+        """The mode for the next segment; ``kind``: what the segment starts in (``"tool"`` or ``"text"``)."""
+        if kind is not None:
+            self.kind = self.edge.kind = kind
         self.segments += 1
         untried = [m for m in self.modes if m not in self.seconds_per_token]
         predicted = {m: self.predicted(m) for m in self.modes}
@@ -470,7 +495,8 @@ class ModePolicy:
         if mode == "server-ar":
             t_ar = self.server_costs.seconds(0)
             return None if t_ar is None else rtt / self.segment_tokens + t_ar
-        mean_accepted, gamma = per_round or self.per_round.get(mode, (0.0, 0.0))
+        mean_accepted, gamma = per_round or self.per_round_kind.get((mode, self.kind)) or self.per_round.get(mode,
+                                                                                                        (0.0, 0.0))
         t_v = self.server_costs.seconds(gamma)
         if t_v is None or mean_accepted <= 0:
             return None
@@ -480,8 +506,10 @@ class ModePolicy:
             return rtt / self.segment_tokens + (gamma * self.t_ds + t_v) / mean_accepted
         return None
 
-    def gamma(self, mode: str, k_max: int) -> int:
-        """Draft length for the next edge round."""
+    def gamma(self, mode: str, k_max: int, kind: str | None = None) -> int:
+        """Draft length for the next edge round (``kind``: the content kind it drafts, when known)."""
+        if kind is not None:
+            self.edge.kind = kind
         return self.edge.choose(k_max) if mode == "edge" else k_max
 
     def observe_open(self, wall_s: float, server_s: float) -> None:
@@ -506,26 +534,30 @@ class ModePolicy:
             reached = min(drafted, accepted + 1)
             self.edge.observe(drafted, reached, accepted, max(wall_s, 1e-6), draft_s)
 
-    def observe_text(self, tokens: Sequence[int], prompt_len: int, start: int) -> None:
-        """Replay every shadow drafter over ``tokens[start:]`` (just committed, after ``tokens[:start]``)."""
+    def observe_text(self, tokens: Sequence[int], prompt_len: int, start: int, kind: str | None = None) -> None:
+        """Replay every shadow drafter over ``tokens[start:]`` (just committed, after ``tokens[:start]``);
+        ``kind``: the content kind the segment started in (its estimates are kept apart too)."""
         if len(tokens) - start < 2:
             return
         for mode, drafter in self.shadows.items():
             segment = None if mode == "edge" else len(tokens) - start
             r = replay_chain(drafter, tokens, prompt_len, start, self.gamma_max, segment=segment)
-            self._per_round(mode, r.tokens / r.rounds, r.drafted / r.rounds)
+            self._per_round(mode, r.tokens / r.rounds, r.drafted / r.rounds, kind)
             if mode == "edge" and r.drafted:
                 t = r.draft_s / r.drafted
                 self.t_d_shadow = ema(self.t_d_shadow, t, self.ema)
 
-    def _per_round(self, mode: str, mean_accepted: float, gamma: float) -> None:
+    def _per_round(self, mode: str, mean_accepted: float, gamma: float, kind: str | None = None) -> None:
         old = self.per_round.get(mode, (None, None))
         self.per_round[mode] = (ema(old[0], mean_accepted, self.ema), ema(old[1], gamma, self.ema))
+        if kind is not None:
+            old = self.per_round_kind.get((mode, kind), (None, None))
+            self.per_round_kind[(mode, kind)] = (ema(old[0], mean_accepted, self.ema), ema(old[1], gamma, self.ema))
 
     def observe_segment(self, mode: str, seconds_per_token: float, *, tokens: int = 0, rounds: int = 0,
-                        drafted: int = 0, draft_s: float = 0.0) -> None:
+                        drafted: int = 0, draft_s: float = 0.0, kind: str | None = None) -> None:
         """A finished segment's wall seconds per committed token in ``mode`` (and, when known, its token,
-        round and draft counts and the local drafter's seconds in it)."""
+        round and draft counts, the local drafter's seconds in it and the content kind it started in)."""
         if mode == self.probing and self.current is not None and self.current != mode:
             incumbent = self.predicted(self.current)
             interval = self.probe_interval.get(mode, self.probe_every)
@@ -537,7 +569,7 @@ class ModePolicy:
         if not (tokens and rounds) or rtt is None or mode not in self.modes:
             return
         if mode not in self.shadows and mode != "server-ar":
-            self._per_round(mode, tokens / rounds, drafted / rounds)
+            self._per_round(mode, tokens / rounds, drafted / rounds, kind)
         predicted = self._segment_closed_form(mode, tokens, rounds, drafted, draft_s)
         if predicted is not None and predicted > 0:
             ratio = min(max(seconds_per_token * tokens / predicted, 0.5), 3.0)

@@ -84,6 +84,14 @@ class ToolCallParser:
         self._bare = None  # None: undecided; True: the whole output is JSON; False: it is not
         self.calls: list[ToolCall] = []
 
+    @property
+    def in_structure(self) -> bool:
+        """Whether the text fed so far ends inside a tool call (an open block, or an answer that is one
+        bare JSON value): what comes next is JSON, not prose."""
+        if not self.tools_enabled:
+            return False
+        return bool(self._bare) or (bool(self._buf) and _first_marker(self._buf)[0] == 0)
+
     def feed(self, text: str) -> list[ParseEvent]:
         """Events made final by ``text`` (appended to everything fed so far)."""
         if not self.tools_enabled:

@@ -10,9 +10,9 @@ import pytest
 from agentspec.client import FinalEvent, SpecClient, TextEvent
 from agentspec.delay_proxy import DelayProxy
 from agentspec.drafters import ModelDrafter, NgramDrafter
-from agentspec.router import ModePolicy
+from agentspec.router import DraftLengthPolicy, ModePolicy
 from agentspec.transport import HTTPTransport, VerifierUnavailable
-from tests.helpers import plain_greedy
+from tests.helpers import EOS, plain_greedy
 from tests.integration.server import LoopbackServer, config
 
 pytestmark = pytest.mark.integration
@@ -50,6 +50,104 @@ def test_every_mode_equals_plain_greedy(server, target, reference, mode):
     else:
         assert modes == {mode}
     client.close()
+
+
+@pytest.mark.parametrize("drafter_kind", ["right", "wrong"])
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+async def test_pipelined_edge_equals_plain_greedy(server, target, wrong_drafter_model, reference, drafter_kind,
+                                                  use_async):
+    """Edge mode drafting each round while the one before is in flight: with the target as its own
+    drafter every draft made ahead is used; with a wrong drafter most are discarded. The output is plain
+    greedy's either way, and switching pipelining off uses none."""
+    model = target if drafter_kind == "right" else wrong_drafter_model
+    finals = {}
+    for pipeline in (True, False):
+        client = SpecClient(server.url, drafter=ModelDrafter(model), mode="edge", num_draft_tokens=3,
+                            pipeline=pipeline)  # on regardless of how fast the tiny drafter is
+        finals[pipeline] = (await client.agenerate(MESSAGES, max_tokens=MAX) if use_async
+                            else client.generate(MESSAGES, max_tokens=MAX))
+        client.close()
+        assert finals[pipeline].tokens == reference
+    on, off = (finals[x].stats.to_dict() for x in (True, False))
+    assert off["pipelined_rounds"] == 0 and off["draft_ahead_s"] == 0
+    assert on["draft_ahead_s"] > 0
+    if drafter_kind == "right":  # every round after the first was drafted in flight, but for the last one
+        # or two (no draft ahead once the round in flight may reach max_tokens)
+        assert on["pipelined_rounds"] >= sum(s.rounds for s in finals[True].stats.segments) - 3
+    else:
+        assert on["pipelined_rounds"] < sum(s.rounds for s in finals[True].stats.segments) // 2
+
+
+def test_pipelined_sampled_edge_matches_the_target_law(server, target):
+    """Sampled edge mode with drafts made in flight (the drafter is the target with a perturbed head, so
+    q != p, and a draft ahead is used only after the target happened to emit the drafter's guess): the law
+    of the 4 tokens is the target's (temperature 1.5, top-k 2: at most 16 sequences, exact law from at
+    most 15 forward passes)."""
+    import copy
+
+    import torch
+
+    from agentspec.types import SamplingParams
+    from agentspec.verify import sampling_probs
+    from tests.unit.test_sampling_distribution import tv_distance
+
+    prompt = target.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    params = SamplingParams(temperature=1.5, top_k=2)
+    exact: dict[tuple[int, ...], float] = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(4):
+            grown = {}
+            for seq, pr in exact.items():
+                if seq and seq[-1] == EOS:  # finished early
+                    grown[seq] = pr
+                    continue
+                logits = target.model(torch.tensor([list(prompt) + list(seq)])).logits[0, -1]
+                probs = sampling_probs(logits, params)
+                for x in torch.nonzero(probs).flatten().tolist():
+                    grown[(*seq, x)] = pr * float(probs[x])
+            exact = grown
+    close = copy.deepcopy(target.model)
+    with torch.no_grad():
+        head = close.get_output_embeddings().weight
+        head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * head.std() * 0.2)
+    always_draft = ModePolicy(edge=DraftLengthPolicy(probe_every=1))  # γ = 0 at most one round in a row
+    client = SpecClient(server.url, drafter=ModelDrafter(close), mode="edge", num_draft_tokens=1, policy=always_draft,
+                        pipeline=True)
+    samples, pipelined = [], 0
+    for seed in range(800):
+        final = client.generate(MESSAGES, max_tokens=4, sampling=SamplingParams(temperature=1.5, top_k=2, seed=seed))
+        samples.append(tuple(final.tokens))
+        pipelined += final.stats.to_dict()["pipelined_rounds"]
+    client.close()
+    assert set(samples) <= set(exact)
+    assert pipelined > 50  # drafts made ahead were really verified
+    tv_small, tv_large = tv_distance(samples[:100], exact), tv_distance(samples, exact)
+    assert tv_large < 0.08, tv_large  # sampling noise alone: ~0.05 for 16 cells at n = 800
+    assert tv_large < tv_small
+
+
+class _Slow:
+    """A real drafter that also takes ``seconds`` a proposal, as a larger model on a slower device does."""
+
+    def __init__(self, inner, seconds: float) -> None:
+        self.inner, self.seconds, self.name = inner, seconds, inner.name
+
+    def propose(self, ctx, k):
+        time.sleep(self.seconds)
+        return self.inner.propose(ctx, k)
+
+
+def test_pipelining_by_default_only_when_drafting_costs_more_than_a_handoff(server, target, reference):
+    """``pipeline=None``: an n-gram lookup (well under PIPELINE_MIN_DRAFT_S) drafts after each reply; a
+    drafter taking 5 ms a proposal drafts ahead. Plain greedy output either way."""
+    fast = SpecClient(server.url, drafter=NgramDrafter(), mode="edge")
+    slow = SpecClient(server.url, drafter=_Slow(ModelDrafter(target), 0.005), mode="edge")
+    for client, pipelined in ((fast, False), (slow, True)):
+        final = client.generate(MESSAGES, max_tokens=MAX)
+        client.close()
+        assert final.tokens == reference
+        assert (final.stats.to_dict()["pipelined_rounds"] > 0) is pipelined
 
 
 async def test_async_twin_matches(server, target, reference):

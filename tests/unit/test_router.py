@@ -109,14 +109,14 @@ def test_replay_chain_counts_rounds_as_the_engine_would():
 
 
 def _feed(policy: router.ModePolicy, mode: str, *, rtt: float, t_v: dict[int, float], text: list[int],
-          prompt_len: int, rounds: int, wall_s: float, drafted: int = 0) -> None:
+          prompt_len: int, rounds: int, wall_s: float, drafted: int = 0, kind: str | None = None) -> None:
     """One finished segment as the client reports it."""
     for g, s in t_v.items():
         policy.server_costs.observe(g, s)
     policy.observe_open(rtt, 0.0)
     policy.observe_segment(mode, wall_s / (len(text) - prompt_len), tokens=len(text) - prompt_len, rounds=rounds,
-                           drafted=drafted)
-    policy.observe_text(text, prompt_len, prompt_len)
+                           drafted=drafted, kind=kind)
+    policy.observe_text(text, prompt_len, prompt_len, kind=kind)
 
 
 def test_mode_policy_judges_unrun_modes_by_shadow_replays_and_never_probes_them():
@@ -161,6 +161,43 @@ def test_mode_policy_correction_is_against_the_closed_form_not_the_reported_serv
     mean_accepted, gamma = policy.per_round["server"]
     closed = 0.020 / 16 + (gamma * 0.001 + policy.server_costs.seconds(gamma)) / mean_accepted
     assert policy.predicted("server") == pytest.approx(1.2 * closed)
+
+
+def test_draft_length_policy_keeps_acceptance_per_content_kind():
+    """Drafts inside tool-call JSON always taken, drafts of prose never: γ is the maximum in the one and
+    0 in the other, where one pooled estimate would give both the same γ."""
+    policy = router.DraftLengthPolicy(costs=router.CostCurve(prior={g: 1.0 + 0.25 * g for g in range(5)}))
+    for _ in range(12):
+        policy.kind = "tool"
+        policy.observe(drafted=4, reached=4, accepted=4, verify_s=None)
+        policy.kind = "text"
+        policy.observe(drafted=4, reached=1, accepted=0, verify_s=None)
+    policy.kind = "tool"
+    assert policy.choose(4) == 4
+    policy.kind = "text"
+    assert policy.choose(4) == 0
+    policy.kind = "other"  # a kind never seen: the pooled estimate
+    assert policy.current_acceptance() is policy.acceptance
+
+
+def test_mode_policy_chooses_per_content_kind():
+    """Server mode's n-gram drafts copy a tool call's arguments from the prompt but only get rejected in
+    prose: with the estimates kept per kind, the policy picks server mode for a segment that starts inside
+    a tool call and plain decoding (server-ar) for one that starts in text."""
+    t_v = {g: 0.050 + 0.010 * g for g in range(5)}
+    policy = router.ModePolicy(has_drafter=False, shadows={"server": NgramDrafter()}, segment_tokens=16)
+    policy.t_ds = 0.0005
+    prompt = list(range(1, 21))
+    copied = prompt + list(range(1, 17))  # the tool call repeats the prompt: every draft right
+    prose = prompt + [t for i in range(1, 9) for t in (i, 100 + i)]  # each draft (i+1 …) rejected
+    for _ in range(3):
+        _feed(policy, "server-ar", rtt=0.05, t_v=t_v, text=copied, prompt_len=20, rounds=16, wall_s=0.9, kind="tool")
+        _feed(policy, "server-ar", rtt=0.05, t_v=t_v, text=prose, prompt_len=20, rounds=16, wall_s=0.9, kind="text")
+    assert policy.per_round_kind[("server", "tool")][0] > 3 > 1.5 > policy.per_round_kind[("server", "text")][0]
+    policy.seconds_per_token.update({"server": 0.01})  # every mode has run
+    assert policy.choose(kind="tool") == "server"
+    policy.current = None  # a new request: no hysteresis from the last choice
+    assert policy.choose(kind="text") == "server-ar"
 
 
 MAX_NEW = 40

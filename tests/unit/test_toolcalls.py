@@ -69,3 +69,19 @@ def test_normalise_bfcl_dict_type():
     out = normalise_tools(tools)
     assert out[0]["function"]["parameters"]["type"] == "object"
     assert out[0]["function"]["parameters"]["properties"]["x"]["type"] == "object"
+
+
+def test_in_structure_follows_the_committed_text():
+    """The content kind the router keys its acceptance on: inside a call's JSON or not."""
+    p = ToolCallParser()
+    assert not p.in_structure
+    p.feed("Let me look that up. <tool_call>")
+    assert p.in_structure
+    p.feed('{"name": "f", "arguments": {}}</tool_call>')
+    assert not p.in_structure
+    bare = ToolCallParser()
+    bare.feed('{"name": "f"')
+    assert bare.in_structure
+    off = ToolCallParser(tools_enabled=False)
+    off.feed("<tool_call>{")
+    assert not off.in_structure
