@@ -21,10 +21,11 @@ def tables(r: dict[str, Any]) -> list[str]:
         names = list(t["points"][0]["modes"])
         lines += [f"### {spec}", "", "Decode tokens/s (session open/close excluded; the fastest repetition per "
                   "prompt); `auto/best` = auto ÷ the best fixed mode it could pick (edge with its drafter, server, "
-                  "server-ar): the smallest over those modes of the median paired ratio (runs of one block: same "
-                  "prompt and repetition, back to back; over the base and the extra repetitions for a contender, "
-                  "marked *, over the base ones for the rest), then the mode it is against and the same ratio "
-                  "from the fastest repetitions; `probes-only` = what auto/best "
+                  "server-ar): the smallest over those modes of auto's tokens/s ÷ the mode's over the same blocks "
+                  "(a block: one prompt and repetition, every mode back to back; the base and the extra "
+                  "repetitions for a contender, marked *, the base ones for the rest), then the mode it is "
+                  "against, the median of the per-block ratios and the same ratio from the fastest "
+                  "repetitions; `probes-only` = what auto/best "
                   "would be if auto lost only to ModePolicy's periodic probes of the modes it cannot judge by shadow "
                   "replays (1.000: every mode is shadowed, nothing is probed).", "",
                   "| RTT ms | " + " | ".join(names) + " | " + " | ".join(f"auto/best ({d})" for d in drafters) + " |",
@@ -32,7 +33,7 @@ def tables(r: dict[str, Any]) -> list[str]:
         for p in t["points"]:
             lines.append(f"| {p['rtt_ms']:g} | " + " | ".join(_f(p["modes"][n]["tokens_per_s"], 2) for n in names)
                          + " | " + " | ".join(f"{p['auto_vs_best'][d]:.3f} ({_star(p, p['auto_vs_best_paired_against'][d])}, "
-                                              f"{_blocks(p, d)} blocks; "
+                                              f"{_blocks(p, d)} blocks; median of blocks {p['auto_vs_best_median_of_blocks'][d]:.3f}; "
                                               f"fastest reps {p['auto_vs_best_fastest_reps'][d]:.3f} vs "
                                               f"{p['best_fixed'][d]}; probes-only "
                                               f"{p['auto_vs_best_if_only_probes'][d]:.3f})" for d in drafters)
