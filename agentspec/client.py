@@ -29,7 +29,7 @@ from agentspec.drafters.grammar import GrammarDrafter
 from agentspec.drafters.ngram import NgramDrafter
 from agentspec.drafters.tree import TreeDrafter
 from agentspec.protocol import SERVER_DRAFTERS
-from agentspec.router import ModePolicy
+from agentspec.router import ModePolicy, ema
 from agentspec.toolcalls import ToolCallParser
 from agentspec.transport import HTTPTransport, ResendPrefix, VerifierError, VerifierUnavailable
 from agentspec.types import DraftProposal, SamplingParams
@@ -137,8 +137,8 @@ class _Run:
         self.finish: str | None = None
         self.stats = ClientStats()
         self.verifier = 0  # index into client.transports
-        # pipelined edge drafting: (the tokens it assumed committed, the draft after them, drafting seconds)
-        self.ahead: tuple[tuple[int, ...], DraftProposal, float] | None = None
+        # pipelined edge drafting: (the tokens it assumed committed, the draft after them)
+        self.ahead: tuple[tuple[int, ...], DraftProposal] | None = None
 
     @property
     def generated(self) -> int:
@@ -559,7 +559,7 @@ class SpecClient:
 
     def _drafted(self, prop: DraftProposal, seconds: float) -> None:
         if len(prop):
-            self._round_draft_s = seconds if self._round_draft_s is None else 0.8 * self._round_draft_s + 0.2 * seconds
+            self._round_draft_s = ema(self._round_draft_s, seconds, 0.2)
 
     def _pipelines(self, run: _Run, prop: DraftProposal) -> bool:
         """Whether to draft the round after this one while it is in flight."""
@@ -581,7 +581,7 @@ class SpecClient:
         nxt, seconds = run.propose(1 + min(self.num_draft_tokens, left), hypothesis)
         self._drafted(nxt, seconds)
         if len(nxt) and not nxt.is_tree:
-            run.ahead = ((*hypothesis, nxt.tokens[0]), _tail(nxt), seconds)
+            run.ahead = ((*hypothesis, nxt.tokens[0]), _tail(nxt))
         seg.draft_ahead_s += seconds
         return seconds
 
