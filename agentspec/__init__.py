@@ -12,19 +12,15 @@ from agentspec.types import DraftProposal, RoundStats, SamplingParams, SparseDis
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "SpecEngine": "agentspec.engine",
-    "GenerationResult": "agentspec.engine",
-    "load_model": "agentspec.models",
-    "LoadedModel": "agentspec.models",
-    "ModelLoadError": "agentspec.models",
-    "DraftContext": "agentspec.drafters.base",
-    "Drafter": "agentspec.drafters.base",
-    "make_drafter": "agentspec.drafters.base",
-    "NgramDrafter": "agentspec.drafters.ngram",
-    "ModelDrafter": "agentspec.drafters.model",
-    "DraftLengthPolicy": "agentspec.router",
-}
+_LAZY = {name: module for module, names in {
+    "agentspec.local": ("SpecEngine", "GenerationResult"),
+    "agentspec.models": ("load_model", "LoadedModel", "ModelLoadError"),
+    "agentspec.drafters.base": ("DraftContext", "Drafter"),
+    "agentspec.drafters": ("make_drafter",),
+    "agentspec.drafters.ngram": ("NgramDrafter",),
+    "agentspec.drafters.model": ("ModelDrafter",),
+    "agentspec.router": ("DraftLengthPolicy",),
+}.items() for name in names}
 
 __all__ = [
     "DraftContext", "DraftLengthPolicy", "DraftProposal", "Drafter", "GenerationResult", "LoadedModel", "ModelDrafter", "ModelLoadError",
@@ -33,10 +29,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from agentspec.drafters.base import DraftContext, Drafter, make_drafter
+    from agentspec.drafters import DraftContext, Drafter, make_drafter
     from agentspec.drafters.model import ModelDrafter
     from agentspec.drafters.ngram import NgramDrafter
-    from agentspec.engine import GenerationResult, SpecEngine
+    from agentspec.local import GenerationResult, SpecEngine
     from agentspec.models import LoadedModel, ModelLoadError, load_model
     from agentspec.router import DraftLengthPolicy
 

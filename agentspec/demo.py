@@ -1,14 +1,9 @@
 """The quick-start job: a LangGraph agent on the offline default model, plain vs speculative.
 
-Loads Qwen2.5-Coder-0.5B-Instruct (shipped inside PyPI packages, no hub), starts an agentspec-verifier
-on loopback in this process, and runs the same ``langchain.agents.create_agent`` agent twice on a few
-multi-step tool tasks — once decoding plainly on the verifier (``server-ar``), once with speculative
-decoding (``auto``: the router picks edge or server-side n-gram drafting per segment). Both runs use the
-same target and greedy decoding, so every message must be identical; the demo prints the answers, each
-tool call, and per model call the modes chosen, the mean accepted length and the measured speed-up.
-
-fp32 by default: on this kind of CPU a 16-token verify pass costs ~2.5x a one-token pass in fp32 (far
-more in bf16), so long copied spans — a file rewritten with a one-line fix — pay off most there.
+A loopback agentspec-verifier runs the same ``create_agent`` agent twice per task: plain (``server-ar``)
+and speculative (``auto`` routing). Greedy decoding on the same target, so every message must be
+identical; the demo prints answers, tool calls, modes, mean accepted length and speed-up.
+fp32 by default: on CPUs a 16-token verify pass costs ~2.5x a one-token pass in fp32 (far more in bf16).
 """
 
 from __future__ import annotations
@@ -123,7 +118,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> int:
     from agentspec.adapters.langchain import ChatAgentSpec
     from agentspec.drafters import NgramDrafter
     from agentspec.models import load_model, model_thread, on_thread
-    from agentspec.verifier_server.engine import ServerConfig
+    from agentspec.verifier_server.config import ServerConfig
     from agentspec.verifier_server.local import LocalVerifier
 
     console = Console(width=max(Console().width, 120))

@@ -2,26 +2,16 @@
 
 Endpoints (all under ``/v1/spec``, Bearer auth when the server has keys):
 
-* ``POST /v1/spec/sessions`` — :class:`OpenSession` → :class:`SessionInfo`. Opens a session from prompt
-  token ids, or from chat ``messages`` (+ ``tools``) rendered server-side with the target's chat template;
-  the reply returns the ids so the client's drafter sees exactly the server's tokens. A prompt that starts
-  with a prefix cached for the same API key reuses that KV (``reused_tokens``).
-* ``POST /v1/spec/sessions/{id}/rounds`` — :class:`VerifyRound` → :class:`RoundReply`. One verification
-  round: ``base_len`` (the committed length the client assumes), ``new_tokens`` committed by the client
-  since its last round, and a ``draft`` (a chain, or a tree with ``parents``; sampled drafts carry their
-  sparse proposal ``q``). Rounds that arrive together from different sessions share one batched pass.
-* ``POST /v1/spec/sessions/{id}/generate`` — :class:`Generate` → newline-delimited :class:`RoundReply`
-  objects: the server drafts with its own drafter (``mode="server"``) or decodes plainly
-  (``mode="server-ar"``) and streams the verified tokens as they are committed.
-* ``GET /v1/spec/sessions/{id}`` → :class:`SessionInfo`; ``DELETE`` closes it (its KV stays reusable as a
-  prefix until evicted).
+* ``POST /sessions`` — :class:`OpenSession` → :class:`SessionInfo`: a session from prompt ids or chat
+  ``messages`` (the reply returns the ids); a prefix cached for the same API key is reused.
+* ``POST /sessions/{id}/rounds`` — :class:`VerifyRound` → :class:`RoundReply`: one verification round of
+  a ``draft`` (chain, or tree with ``parents``; sampled drafts carry their proposal ``q``) at ``base_len``.
+* ``POST /sessions/{id}/generate`` — :class:`Generate` → NDJSON :class:`RoundReply` objects: the server
+  drafts itself (``server``) or decodes plainly (``server-ar``) and streams tokens as they are committed.
+* ``GET /sessions/{id}`` → :class:`SessionInfo`; ``DELETE`` closes it (its KV stays reusable as a prefix).
 
-Errors use the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``. Codes that tell the
-client to resend its prefix (open a new session): :data:`SESSION_NOT_FOUND`, :data:`SESSION_EVICTED`,
-:data:`BASE_LEN_MISMATCH` (the error carries the server's ``committed_len``). The server never guesses.
-
-Structural checks live here (pydantic); checks that need the model (token ids < vocab size, lengths
-against the server's limits) are :meth:`VerifyRound.check_against` / :meth:`OpenSession.check_against`.
+Errors use the OpenAI envelope; :data:`RESEND_PREFIX_CODES` tell the client to open a new session. Checks
+that need the model are the ``check_against`` methods; ``from_*``/``to_*`` convert to :mod:`agentspec.types`.
 """
 
 from __future__ import annotations
@@ -29,7 +19,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agentspec.types import DraftProposal, SamplingParams, SparseDist
 
 PROTOCOL_VERSION = 1
 
@@ -55,25 +47,32 @@ class ProtocolError(ValueError):
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False)
 
+    def to_wire(self) -> dict[str, Any]:
+        """This message as the JSON body a peer sends (optional fields left unset are left out)."""
+        return self.model_dump(exclude_none=True)
+
 
 class Sampling(_Strict):
     """Sampling settings of a round; temperature 0 is greedy (the default)."""
 
-    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    temperature: float = Field(0.0, ge=0.0, le=100.0)  # both bounded: nan and ±inf fail the bounds
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
-    @field_validator("temperature", "top_p")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
-
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @classmethod
+    def from_params(cls, p: SamplingParams) -> Sampling:
+        """The wire form of a request's sampling settings (``max_new_tokens`` and ``stop`` travel apart)."""
+        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+
+    def to_params(self, **overrides: Any) -> SamplingParams:
+        """The core :class:`SamplingParams`; ``overrides`` set the fields the wire does not carry here."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                              **overrides)
 
 
 class SparseQ(_Strict):
@@ -113,21 +112,36 @@ class Draft(_Strict):
                 if not -1 <= p < i:
                     raise ValueError(f"parents[{i}] = {p}: each parent must be -1 (the root) or an earlier "
                                      "node (topological order, so no cycles)")
-        if self.q is not None and len(self.q) != n:
-            raise ValueError(f"q has {len(self.q)} entries for {n} tokens")
         if self.q is not None:
+            if len(self.q) != n:
+                raise ValueError(f"q has {len(self.q)} entries for {n} tokens")
             for i, (tok, dist) in enumerate(zip(self.tokens, self.q, strict=True)):
                 if tok not in dist.ids or dist.probs[dist.ids.index(tok)] <= 0:
                     raise ValueError(f"q[{i}] gives the drafted token {tok} no probability; q must be the "
                                      "distribution the token was sampled from")
         return self
 
+    @classmethod
+    def from_proposal(cls, p: DraftProposal) -> Draft:
+        """The wire form of a proposal: ``parents`` only for a real tree, ``q`` only for sampled drafts
+        (a deterministic node inside one, ``None``, is its point mass). ``num_forced`` stays local."""
+        q = None
+        if p.draft_probs is not None:
+            q = [SparseQ(ids=list(d.ids if d else (t,)), probs=list(d.probs if d else (1.0,)))
+                 for t, d in zip(p.tokens, p.draft_probs, strict=True)]
+        parents = list(p.parents) if p.is_tree else None
+        return cls(tokens=list(p.tokens), parents=parents, q=q, source=p.source[:64])
+
+    def to_proposal(self) -> DraftProposal:
+        """The core :class:`DraftProposal` this draft describes."""
+        probs = None if self.q is None else tuple(SparseDist(tuple(d.ids), tuple(d.probs)) for d in self.q)
+        parents = tuple(self.parents) if self.parents is not None else None
+        return DraftProposal(tokens=tuple(self.tokens), parents=parents, draft_probs=probs, source=self.source)
+
 
 class OpenSession(_Strict):
-    """Open a session from ``prompt_ids`` or from chat ``messages`` (+ ``tools``).
-
-    ``tools`` (also with ``prompt_ids``), ``tool_choice`` and ``response_format`` let the server-mode
-    drafter draft the tokens their grammar forces; they never constrain the output."""
+    """Open a session from ``prompt_ids`` or chat ``messages``; ``tools``, ``tool_choice`` and
+    ``response_format`` only let server mode draft the tokens their grammar forces (never constrain)."""
 
     prompt_ids: list[TokenId] | None = None
     messages: list[dict[str, Any]] | None = None

@@ -150,20 +150,29 @@ class ToolCallParser:
         return [ParseEvent(text=buf)]
 
 
-class IncrementalDecoder:
-    """Committed token ids → text deltas, holding back a multi-byte character split across rounds."""
+def tool_choice_instruction(tool_choice: str | dict[str, Any] | None, single: bool = False) -> str | None:
+    """The instruction asking the target for what an OpenAI-form ``tool_choice`` requires (``"required"``, or
+    ``{"type": "function", "function": {"name": …}}``); ``single`` is ``parallel_tool_calls=False``."""
+    if tool_choice == "required":
+        text = "You must answer with a call to one of the provided functions."
+    elif isinstance(tool_choice, dict):
+        text = f"You must answer with a call to the function {tool_choice['function']['name']}."
+    else:
+        return "Call at most one function." if single and tool_choice in (None, "auto") else None
+    return text + (" Call exactly one function." if single else "")
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
 
-    def add(self, ids: list[int]) -> str:
-        """The new text that ``ids`` (appended to all ids so far) make final."""
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.sent = text[self.sent :], len(text)
-        return delta
+def add_instruction(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """Append ``text`` to the leading system message (one is inserted if there is none).
+
+    The leading message, not the last one, so an agent that always sends the same instruction keeps
+    its prompt prefix, and the verifier's cached prefix, stable from step to step.
+    """
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        first["content"] = f"{first.get('content') or ''}\n\n{text}".lstrip()
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _first_marker(buf: str) -> tuple[int | None, str]:

@@ -14,13 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from tenacity import (
-    AsyncRetrying,
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential,
-)
+from tenacity import AsyncRetrying, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from agentspec.protocol import RESEND_PREFIX_CODES
 
@@ -56,16 +50,23 @@ class Timed:
     wall_s: float
 
 
-def _is_transient(e: BaseException) -> bool:
-    return isinstance(e, VerifierUnavailable)
-
-
 def _stale_connection(e: httpx.TransportError, answered: bool) -> bool:
     """A kept-alive connection the server (or a middlebox) closed while idle, found out by sending on it:
     the peer hung up before any response began, so the request never ran. Sent again once on a fresh
     connection, whatever ``retries`` says; a request that did reach a live server and is sent again finds
     its session's ``base_len`` moved on and is refused (ResendPrefix), so nothing is committed twice."""
     return not answered and isinstance(e, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError)
+
+
+class _Send(contextlib.AbstractContextManager):
+    """One send (``with send: ...``): whether a response began, and the transport error it swallowed."""
+
+    answered, error = False, None
+
+    def __exit__(self, kind: type | None, error: BaseException | None, tb: object) -> bool:
+        if isinstance(error, httpx.TransportError):
+            self.error = error
+        return self.error is not None
 
 
 class HTTPTransport:
@@ -75,95 +76,76 @@ class HTTPTransport:
                  http2: bool = True) -> None:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
-        self.base_url = base_url.rstrip("/")
+        self.base_url, self.timeout = base_url.rstrip("/"), timeout
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_keepalive_connections=16, keepalive_expiry=KEEPALIVE_EXPIRY_S)
-        self.timeout = timeout
-        self.retries = retries
-        self._client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout, http2=http2,
-                                    limits=limits)
-        self._aclient = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, http2=http2,
-                                          limits=limits)
+        settings: dict[str, Any] = {"base_url": self.base_url, "headers": headers, "timeout": timeout,
+                                    "http2": http2, "limits": limits}
+        self._client, self._aclient = httpx.Client(**settings), httpx.AsyncClient(**settings)
+        # transient failures (VerifierUnavailable) are retried with backoff; 4xx raise at once
+        self._retry = {"stop": stop_after_attempt(retries + 1), "reraise": True,
+                       "wait": wait_exponential(multiplier=0.05, max=1.0),
+                       "retry": retry_if_exception(lambda e: isinstance(e, VerifierUnavailable))}
 
-    # -- sync --------------------------------------------------------------------------------------
+    def _sends(self) -> Iterator[_Send]:
+        """The sends of one request: a second only when the first found a stale connection (see
+        :func:`_stale_connection`); any other transport error raises as :class:`VerifierUnavailable`."""
+        for stale_retry in (True, False):
+            send = _Send()
+            yield send
+            if send.error is None:
+                return
+            if not (stale_retry and _stale_connection(send.error, send.answered)):
+                raise self._unavailable(send.error) from send.error
 
     def post(self, path: str, body: dict[str, Any]) -> Timed:
         """POST JSON with retries for transient failures; 4xx raise at once (they will not get better)."""
-        for attempt in Retrying(stop=stop_after_attempt(self.retries + 1), reraise=True,
-                                retry=retry_if_exception(_is_transient),
-                                wait=wait_exponential(multiplier=0.05, max=1.0)):
+        for attempt in Retrying(**self._retry):
             with attempt:
                 t0 = time.perf_counter()
-                for stale_retry in (True, False):
-                    answered = False
-                    try:
-                        with self._client.stream("POST", path, json=body) as r:
-                            answered = True
-                            r.read()
-                        break
-                    except httpx.TransportError as e:
-                        if not (stale_retry and _stale_connection(e, answered)):
-                            raise self._unavailable(e) from e
+                for send in self._sends():
+                    with send, self._client.stream("POST", path, json=body) as r:
+                        send.answered = True
+                        r.read()
                 return Timed(_check(r), time.perf_counter() - t0)
         raise AssertionError("unreachable")
 
     def stream_lines(self, path: str, body: dict[str, Any]) -> Iterator[Timed]:
         """POST and yield each NDJSON line as it arrives (no retries once streaming has begun)."""
-        for stale_retry in (True, False):
+        for send in self._sends():
             t0 = time.perf_counter()
-            answered = False
-            try:
-                with self._client.stream("POST", path, json=body) as r:
-                    answered = True
-                    if r.status_code >= 400:
-                        r.read()
-                        _check(r)
-                    for line in r.iter_lines():
-                        if line:
-                            yield Timed(_line(line, r.status_code), time.perf_counter() - t0)
-                            t0 = time.perf_counter()
-                return
-            except httpx.TransportError as e:
-                if not (stale_retry and _stale_connection(e, answered)):
-                    raise self._unavailable(e) from e
+            with send, self._client.stream("POST", path, json=body) as r:
+                send.answered = True
+                if r.status_code >= 400:
+                    r.read()
+                    _check(r)
+                for line in r.iter_lines():
+                    if line:
+                        yield Timed(_line(line, r.status_code), time.perf_counter() - t0)
+                        t0 = time.perf_counter()
 
     def delete(self, path: str) -> None:
         with contextlib.suppress(httpx.HTTPError):  # closing is best effort
             self._client.delete(path)
 
-    # -- async -------------------------------------------------------------------------------------
-
-    async def adelete(self, path: str) -> None:
-        with contextlib.suppress(httpx.HTTPError):  # closing is best effort
-            await self._aclient.delete(path)
-
     async def apost(self, path: str, body: dict[str, Any]) -> Timed:
-        async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries + 1), reraise=True,
-                                           retry=retry_if_exception(_is_transient),
-                                           wait=wait_exponential(multiplier=0.05, max=1.0)):
+        async for attempt in AsyncRetrying(**self._retry):
             with attempt:
                 t0 = time.perf_counter()
-                for stale_retry in (True, False):
-                    answered = False
-                    try:
+                for send in self._sends():
+                    with send:
                         async with self._aclient.stream("POST", path, json=body) as r:
-                            answered = True
+                            send.answered = True
                             await r.aread()
-                        break
-                    except httpx.TransportError as e:
-                        if not (stale_retry and _stale_connection(e, answered)):
-                            raise self._unavailable(e) from e
                 return Timed(_check(r), time.perf_counter() - t0)
         raise AssertionError("unreachable")
 
     async def astream_lines(self, path: str, body: dict[str, Any]) -> AsyncIterator[Timed]:
-        """The async twin of :meth:`stream_lines`."""
-        for stale_retry in (True, False):
+        for send in self._sends():
             t0 = time.perf_counter()
-            answered = False
-            try:
+            with send:
                 async with self._aclient.stream("POST", path, json=body) as r:
-                    answered = True
+                    send.answered = True
                     if r.status_code >= 400:
                         await r.aread()
                         _check(r)
@@ -171,10 +153,10 @@ class HTTPTransport:
                         if line:
                             yield Timed(_line(line, r.status_code), time.perf_counter() - t0)
                             t0 = time.perf_counter()
-                return
-            except httpx.TransportError as e:
-                if not (stale_retry and _stale_connection(e, answered)):
-                    raise self._unavailable(e) from e
+
+    async def adelete(self, path: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):  # closing is best effort
+            await self._aclient.delete(path)
 
     def _unavailable(self, e: httpx.TransportError) -> VerifierUnavailable:
         """Timeouts and connection failures (httpx.TimeoutException is a TransportError)."""
@@ -190,13 +172,12 @@ class HTTPTransport:
 
 
 def _check(r: httpx.Response) -> dict[str, Any]:
-    try:
+    data: Any = {}
+    with contextlib.suppress(ValueError):
         data = r.json()
-    except ValueError:
-        data = {}
-    if r.status_code < 400:
-        return data
-    raise _error_from(data, r.status_code)
+    if r.status_code >= 400:
+        raise _error_from(data, r.status_code)
+    return data
 
 
 def _line(line: str, status: int) -> dict[str, Any]:
@@ -212,8 +193,6 @@ def _error_from(data: dict[str, Any], status: int) -> VerifierError:
     err = err if isinstance(err, dict) else {}
     message = err.get("message") or f"verifier answered HTTP {status}"
     code = err.get("code")
-    if code in RESEND_PREFIX_CODES:
-        return ResendPrefix(message, status=status, code=code, body=err)
-    if status >= 500 or status == 429:
-        return VerifierUnavailable(message, status=status, code=code, body=err)
-    return VerifierError(message, status=status, code=code, body=err)
+    kind = VerifierUnavailable if status >= 500 or status == 429 else VerifierError
+    kind = ResendPrefix if code in RESEND_PREFIX_CODES else kind
+    return kind(message, status=status, code=code, body=err)

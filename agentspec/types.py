@@ -6,6 +6,7 @@ server can share it without pulling in torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -60,6 +61,17 @@ class SparseDist:
         return cls((token,), (1.0,))
 
 
+def check_parents(parents: Sequence[int], num_tokens: int) -> None:
+    """A draft tree's parent list: one entry per token, each -1 (the root) or an earlier node (topological
+    order, so no cycles); raises ``ValueError`` saying what is wrong."""
+    if len(parents) != num_tokens:
+        raise ValueError(f"parents has {len(parents)} entries for {num_tokens} draft tokens")
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"parents[{i}] = {p}: each parent must be -1 (the root) or an earlier node "
+                             "(topological order, so no cycles)")
+
+
 @dataclass(frozen=True)
 class DraftProposal:
     """Draft tokens: a chain or a tree, in topological order.
@@ -80,11 +92,7 @@ class DraftProposal:
     def __post_init__(self) -> None:
         n = len(self.tokens)
         if self.parents is not None:
-            if len(self.parents) != n:
-                raise ValueError(f"parents has {len(self.parents)} entries for {n} draft tokens")
-            for i, p in enumerate(self.parents):
-                if not -1 <= p < i:
-                    raise ValueError(f"node {i} has parent {p}: parents must precede children (topological order)")
+            check_parents(self.parents, n)
         if not 0 <= self.num_forced <= n:
             raise ValueError(f"num_forced must be in [0, {n}], got {self.num_forced}")
         if self.draft_probs is not None and len(self.draft_probs) != n:
@@ -148,6 +156,11 @@ class RoundStats:
     source: str = ""
 
 
+def _total(name: str) -> property:
+    """A read-only sum of one :class:`RoundStats` field over ``self.rounds``."""
+    return property(lambda self: sum(getattr(r, name) for r in self.rounds))
+
+
 @dataclass
 class SpecStats:
     """Aggregate statistics of a generation, built from its rounds."""
@@ -171,25 +184,11 @@ class SpecStats:
     def num_rounds(self) -> int:
         return len(self.rounds)
 
-    @property
-    def drafted(self) -> int:
-        return sum(r.drafted for r in self.rounds)
-
-    @property
-    def accepted(self) -> int:
-        return sum(r.accepted for r in self.rounds)
-
-    @property
-    def emitted(self) -> int:
-        return sum(r.emitted for r in self.rounds)
-
-    @property
-    def draft_s(self) -> float:
-        return sum(r.draft_s for r in self.rounds)
-
-    @property
-    def verify_s(self) -> float:
-        return sum(r.verify_s for r in self.rounds)
+    drafted = _total("drafted")
+    accepted = _total("accepted")
+    emitted = _total("emitted")
+    draft_s = _total("draft_s")
+    verify_s = _total("verify_s")
 
     @property
     def mean_accepted_length(self) -> float:

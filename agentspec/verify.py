@@ -56,9 +56,8 @@ def chain_parents(n: int) -> list[int]:
     return list(range(-1, n - 1))
 
 
-def tree_attention(
-    parents: Sequence[int], num_cached: int, num_pending: int, dtype: torch.dtype, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_attention(parents: Sequence[int], num_cached: int, num_pending: int, dtype: torch.dtype,
+                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Additive attention mask ``[1, 1, q, kv]`` and ``position_ids [1, q]`` for one verify pass.
 
     The query holds ``num_pending`` committed tokens not yet in the KV cache (causal among themselves)
@@ -69,9 +68,8 @@ def tree_attention(
     q, kv = num_pending + n, num_cached + num_pending + n
     allowed = torch.zeros(q, kv, dtype=torch.bool)
     allowed[:, :num_cached] = True
-    allowed[:num_pending, num_cached : num_cached + num_pending] = torch.tril(
-        torch.ones(num_pending, num_pending, dtype=torch.bool)
-    )
+    causal = torch.tril(torch.ones(num_pending, num_pending, dtype=torch.bool))
+    allowed[:num_pending, num_cached : num_cached + num_pending] = causal
     allowed[num_pending:, num_cached : num_cached + num_pending] = True
     depth = [0] * n
     for i, p in enumerate(parents):
@@ -86,12 +84,8 @@ def tree_attention(
     return mask[None, None].to(device), torch.tensor([positions], device=device)
 
 
-def verify_greedy(
-    target_logits: torch.Tensor,
-    draft_tokens: Sequence[int],
-    parents: Sequence[int] | None = None,
-    stop_token_ids: Collection[int] = (),
-) -> VerifyResult:
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: Sequence[int], parents: Sequence[int] | None = None,
+                  stop_token_ids: Collection[int] = ()) -> VerifyResult:
     """Accept the longest draft path that equals the target's argmax, then append the target's argmax.
 
     ``target_logits``: ``[n + 1, vocab]``, row 0 at the root, row i + 1 after draft node i.
@@ -113,14 +107,9 @@ def verify_greedy(
             return _result(path, draft_tokens, None, bonus=False)
 
 
-def verify_sampled(
-    target_probs: torch.Tensor,
-    draft_tokens: Sequence[int],
-    draft_probs: Sequence[SparseDist | None] | None,
-    parents: Sequence[int] | None = None,
-    generator: torch.Generator | None = None,
-    stop_token_ids: Collection[int] = (),
-) -> VerifyResult:
+def verify_sampled(target_probs: torch.Tensor, draft_tokens: Sequence[int],
+                   draft_probs: Sequence[SparseDist | None] | None, parents: Sequence[int] | None = None,
+                   generator: torch.Generator | None = None, stop_token_ids: Collection[int] = ()) -> VerifyResult:
     """Speculative sampling: the result is distributed exactly as sampling from ``target_probs``.
 
     ``target_probs``: ``[n + 1, vocab]`` (from :func:`sampling_probs`), row 0 at the root.
@@ -170,12 +159,7 @@ def _dense_parts(dist: SparseDist | None, token: int) -> tuple[torch.Tensor, tor
 
 
 def _result(path: list[int], draft_tokens: Sequence[int], next_token: int | None, bonus: bool) -> VerifyResult:
-    return VerifyResult(
-        accepted_nodes=tuple(path),
-        accepted_tokens=tuple(int(draft_tokens[i]) for i in path),
-        next_token=next_token,
-        bonus=bonus,
-    )
+    return VerifyResult(tuple(path), tuple(int(draft_tokens[i]) for i in path), next_token, bonus)
 
 
 def path_depth(parents: Sequence[int], result: VerifyResult) -> int:

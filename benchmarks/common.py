@@ -29,13 +29,8 @@ from typing import Any
 import torch
 
 from agentspec import models
-from agentspec.equivalence import (  # noqa: F401 - re-exported: the benchmarks judge divergences with these
-    bf16_ulp,
-    check_divergence,
-    logit_path_noise,
-    logits_at,
-    top2_margin,
-)
+from agentspec.equivalence import bf16_ulp, top2_margin  # noqa: F401 (re-exported: they judge divergences)
+from agentspec.models import check_divergence, logit_path_noise, logits_at  # noqa: F401 (re-exported)
 from agentspec.toolcalls import render_chat
 from agentspec.training.data import bfcl_data_dir, load_bfcl, normalise_schema, to_openai_tools  # noqa: F401 (re-exported)
 from agentspec.types import SpecStats

@@ -15,7 +15,7 @@ import time
 import torch
 
 from agentspec.drafters import ModelDrafter, NgramDrafter
-from agentspec.engine import SpecEngine
+from agentspec.local import SpecEngine
 from agentspec.models import LoadedModel, layer_skip_drafter, resolve_device, resolve_dtype
 from agentspec.types import SamplingParams
 

@@ -20,7 +20,7 @@ measures the bare questions (n-gram E[A] ≈ 1.3 there, a break-even RTT of a fe
    the reference (no model, no network), which gives rounds, draft and accepted lengths (α, E[A]) and
    the draft time; and, through a zero-delay proxy on the warm-up prompt, each mode's per-round loopback
    overhead (HTTP, JSON, the verifier's bookkeeping around the forward pass);
-3. the sweep: per RTT a :class:`~agentspec.delay_proxy.DelayProxy` with one-way delay RTT/2 in front of an
+3. the sweep: per RTT a :class:`~benchmarks.delay_proxy.DelayProxy` with one-way delay RTT/2 in front of an
    in-process verifier, all open at once; for each repetition (``--reps``, default 3) and prompt, every
    RTT point in turn runs every fixed mode (``edge`` per drafter, ``server``, ``server-ar``) and ``auto``
    (a fresh client per RTT and drafter, warmed until the router has measured every mode) back to back in
@@ -64,13 +64,13 @@ import torch
 
 from agentspec import models, router
 from agentspec.client import SpecClient
-from agentspec.delay_proxy import DelayProxy
 from agentspec.drafters import NgramDrafter
 from agentspec.drafters.base import Drafter
-from agentspec.verifier_server.engine import ServerConfig
+from agentspec.verifier_server.config import ServerConfig
 from agentspec.verifier_server.local import LocalVerifier
 from benchmarks import common
 from benchmarks.common import log
+from benchmarks.delay_proxy import DelayProxy
 from benchmarks.router_model import Replay, break_even, predict, probe_bound, replay
 
 RTTS_MS = (0, 5, 10, 25, 50, 100, 200)
@@ -86,8 +86,8 @@ TINY = {"tiny-a": (2, 64), "tiny-b": (4, 256)}  # --quick targets: (layers, hidd
 class FixedDraftLength(router.DraftLengthPolicy):
     """Always draft the full γ: the closed forms' fixed draft length (adaptive choice switched off)."""
 
-    def choose(self, k_max: int) -> int:
-        return max(k_max, 0)
+    def choose(self, gamma_max: int, kind: str = "text") -> int:
+        return max(gamma_max, 0)
 
 
 class Verifier(LocalVerifier):
@@ -136,7 +136,7 @@ def served_curve(passes: list[tuple[int, float]], gamma: int) -> dict[int, float
 
 def make_client(url: str, mode: str, drafter: str | None, args: argparse.Namespace,
                 passes: list[tuple[int, float]] | None = None) -> SpecClient:
-    kwargs: dict[str, Any] = {"has_drafter": drafter is not None, "edge": FixedDraftLength()}
+    kwargs: dict[str, Any] = {"config": router.ModeConfig(has_drafter=drafter is not None), "edge": FixedDraftLength()}
     policy = router.ModePolicy(**kwargs) if passes is None else RecordingPolicy(passes, **kwargs)
     return SpecClient(url, drafter=DRAFTERS[drafter]() if drafter else None, num_draft_tokens=args.gamma,
                       mode=mode, segment_tokens=args.segment_tokens, policy=policy, timeout=600, retries=0,
@@ -228,7 +228,8 @@ def overheads(port: int, warm: common.Prompt, args: argparse.Namespace, passes: 
         for name, mode, drafter in fixed_modes(args.drafters):
             client = make_client(f"http://127.0.0.1:{proxy.port}", mode, drafter, args)
             request(client, warm, args.max_new_tokens)  # warm-up
-            client.policy = RecordingPolicy(passes, has_drafter=drafter is not None, edge=FixedDraftLength())
+            client.policy = RecordingPolicy(passes, config=router.ModeConfig(has_drafter=drafter is not None),
+                                            edge=FixedDraftLength())
             r = [request(client, warm, args.max_new_tokens) for _ in range(args.overhead_reps)]
             client.close()
             out[name] = statistics.median((x["decode_s"] - x["server_s"] - x["draft_s"]) / x["rounds"] for x in r)
@@ -297,8 +298,8 @@ def sweep_result(point: dict[str, Any], names: list[str], drafters: list[str], r
     for d in drafters:
         p = point["clients"][f"auto:{d}"].policy
         routers[d] = {"warm_requests": point["warm_requests"][d], "segments": p.segments,
-                      "shadowed_modes": sorted(p.shadows),
-                      "probed_modes": [m for m in p.modes if m != "server-ar" and m not in p.shadows],
+                      "shadowed_modes": sorted(p.config.shadowed),
+                      "probed_modes": [m for m in p.modes if m != "server-ar" and m not in p.config.shadowed],
                       "correction": dict(p.correction), "last_predictions_ms": dict(p.last_predictions),
                       "per_round": dict(p.per_round),
                       "ms_per_token_estimates": {m: s * 1e3 for m, s in p.seconds_per_token.items()}}
@@ -609,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "reps", "extra_reps", "contender_margin", "agent_step", "first_step_tokens",
                                               "tie_ulps", "threads", "quick")}
     meta = {"settings": settings, "machine": common.machine_info(), "delay_method": "proxy",
-            "delay": "agentspec.delay_proxy.DelayProxy on 127.0.0.1, one-way delay RTT/2 each direction "
+            "delay": "benchmarks.delay_proxy.DelayProxy on 127.0.0.1, one-way delay RTT/2 each direction "
                      "(tc netem is not available on this kernel)",
             "models": args.targets, "dtypes": sorted({t.partition(":")[2] or "float32" for t in args.targets}),
             "data": {"source": "bfcl_eval wheel, BFCL v4", "prompt_ids": [p.id for p in prompts],

@@ -17,6 +17,7 @@ from typing import Any
 
 from agentspec import router
 from agentspec.drafters.base import Drafter
+from agentspec.drafters.replay import replay_chain
 
 
 @dataclass
@@ -56,8 +57,8 @@ def replay(drafter: Drafter | None, prompt: list[int], reference: list[int], gam
     ``segment`` tokens, γ capped by the segment's tokens left, output cut at its end), as the code does."""
     if drafter is not None:
         drafter.reset()
-    r = router.replay_chain(drafter, list(prompt) + list(reference), len(prompt), len(prompt), gamma,
-                            segment=segment, max_new=max_new)
+    r = replay_chain(drafter, list(prompt) + list(reference), len(prompt), len(prompt), gamma,
+                     segment=segment, max_new=max_new)
     for name in ("rounds", "tokens", "drafted", "accepted", "segments", "draft_s"):
         setattr(into, name, getattr(into, name) + getattr(r, name))
     into.gammas += r.gammas
@@ -142,7 +143,7 @@ def probe_bound(modes: dict[str, dict], drafter: str, probed: list[str]) -> floa
     """auto/best if auto lost only to ModePolicy's probes of the modes in ``probed`` (those it cannot judge
     by shadow replays): the best fixed mode, except that every ``probe_every`` segments the least recently
     used probed mode runs one segment, at the fixed modes' measured ms/token."""
-    every = router.ModePolicy().probe_every
+    every = router.ModeConfig().probe_every
     names = {"edge": f"edge:{drafter}", "server": "server", "server-ar": "server-ar"}
     best = min(modes[n]["ms_per_token"] for n in names.values())
     others = [modes[names[m]]["ms_per_token"] for m in probed if modes[names[m]]["ms_per_token"] > best]

@@ -38,7 +38,7 @@ import torch
 
 from agentspec import models, router
 from agentspec.drafters import ModelDrafter, NgramDrafter
-from agentspec.engine import SpecEngine
+from agentspec.local import SpecEngine
 from agentspec.toolcalls import supports_tools
 from agentspec.types import SamplingParams, SpecStats
 from benchmarks import common

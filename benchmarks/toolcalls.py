@@ -1,7 +1,9 @@
 """Tool-call drafting on BFCL prompts: grammar, copy, n-gram, model and the combined tree vs plain decoding.
 
 Run: ``python -m benchmarks.toolcalls`` (alone on the machine: ~1 h on 2 AVX2 cores). Writes
-``benchmarks/results/toolcalls.{json,md}``.
+``benchmarks/results/toolcalls.{json,md}``. ``--quick``: 6 prompts, bf16 only, 32 tokens, every method at a fixed
+γ (no timing-driven draft-length policy, so accepted lengths repeat run to run: a before/after check of the
+engine), a few minutes; writes ``toolcalls_quick.{json,md}``.
 
 Target Qwen2.5-Coder-0.5B-Instruct (the offline default), greedy, BFCL v4 prompts from the categories
 simple_python, multiple, parallel and live_simple (ids in the output). Methods, each on the same prompts
@@ -47,7 +49,7 @@ from agentspec.drafters import ModelDrafter, NgramDrafter
 from agentspec.drafters.copy import CopyDrafter, SuffixIndex
 from agentspec.drafters.grammar import GrammarDrafter
 from agentspec.drafters.tree import TreeDrafter
-from agentspec.engine import SpecEngine
+from agentspec.local import SpecEngine
 from agentspec.toolcalls import ToolCallParser
 from agentspec.types import SamplingParams, SpecStats
 from benchmarks import common, speedup
@@ -88,7 +90,7 @@ def make_methods(prompts: list[common.Prompt]):
         def spec(name: str) -> speedup.Method:
             engine = SpecEngine(target, drafters[name], num_draft_tokens=args.model_draft_tokens
                                 if name == "model" else k,
-                                draft_policy=router.DraftLengthPolicy.from_calibration(curve))
+                                draft_policy=None if args.quick else router.DraftLengthPolicy.from_calibration(curve))
 
             def run(ids: list[int], cache: Any = None) -> speedup.Output:
                 t0, stats, tokens, first = time.perf_counter(), SpecStats(), [], None
@@ -149,8 +151,12 @@ def acceptance(records: list[dict], calls: dict[str, dict], prompt_ids: list[str
     return out
 
 
+QUICK = {"dtypes": "bfloat16", "prompts": 6, "max_new_tokens": 32, "out": "benchmarks/results/toolcalls_quick"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = speedup.parse_args(argv, __doc__.split("\n\n")[0], DEFAULTS)
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
+    args = speedup.parse_args(argv, __doc__.split("\n\n")[0], {**DEFAULTS, **(QUICK if quick else {})})
     args.keep_text = True
     args.shared_prefill = True  # bf16 prefill here is ~30 ms/token: one timed prefill per prompt, shared
     args.prefill_reps = 1

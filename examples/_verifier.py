@@ -23,6 +23,8 @@ import httpx
 
 REAL_MODEL = "qwen2.5-coder-0.5b-instruct"
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the repo's own tools: tests/helpers.py (tiny models), benchmarks/delay_proxy.py
+    sys.path.insert(0, str(REPO))
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +42,6 @@ def load_target(args: argparse.Namespace) -> Any:
 
     torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
     if args.tiny:
-        sys.path.insert(0, str(REPO))  # tests/helpers.py builds tiny models from a config (no download)
         from tests.helpers import tiny_model
 
         return tiny_model(seed=0)
@@ -58,7 +59,7 @@ def served_name(args: argparse.Namespace) -> str:
 @contextlib.contextmanager
 def in_process_verifier(target: Any, name: str, api_key: str | None = None) -> Iterator[str]:
     """Serve ``target`` on a free loopback port from a background thread; yields the base URL."""
-    from agentspec.verifier_server.engine import ServerConfig
+    from agentspec.verifier_server.config import ServerConfig
     from agentspec.verifier_server.local import LocalVerifier
 
     config = ServerConfig(served_model_name=name, api_keys=(api_key,) if api_key else ())

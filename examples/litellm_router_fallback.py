@@ -34,7 +34,7 @@ def main() -> int:
     from rich.console import Console
 
     from agentspec.adapters.litellm import litellm, register
-    from agentspec.delay_proxy import DelayProxy
+    from benchmarks.delay_proxy import DelayProxy
 
     console = Console()
     register()

@@ -40,8 +40,8 @@ def main() -> int:
     from rich.text import Text
 
     from agentspec.client import FinalEvent, PreviewEvent, SpecClient, TextEvent, ToolCallEvent
-    from agentspec.delay_proxy import DelayProxy
     from agentspec.drafters import NgramDrafter
+    from benchmarks.delay_proxy import DelayProxy
 
     console = Console()
     target = load_target(args)

@@ -1,13 +1,9 @@
-"""Framework adapters (LangChain ``ChatAgentSpec``, litellm provider). Imported only on demand.
-
-``from agentspec.adapters import ChatAgentSpec`` imports LangChain at that moment, not at ``import agentspec``.
-"""
+"""Framework adapters (LangChain ``ChatAgentSpec``, litellm provider), imported only on demand: importing
+``ChatAgentSpec`` from here imports LangChain at that moment, not at ``import agentspec``."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-
-_LAZY = {"ChatAgentSpec": "agentspec.adapters.langchain"}
 
 __all__ = ["ChatAgentSpec"]
 
@@ -16,9 +12,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    if name != "ChatAgentSpec":
         raise AttributeError(f"module 'agentspec.adapters' has no attribute {name!r}")
-    import importlib
+    from agentspec.adapters.langchain import ChatAgentSpec
 
-    return getattr(importlib.import_module(module), name)
+    return ChatAgentSpec

@@ -1,13 +1,8 @@
 """``ChatAgentSpec``: a LangChain chat model that runs each call through :class:`~agentspec.client.SpecClient`.
 
-Streaming is the primitive: ``_stream``/``_astream`` turn SpecClient events into chunks
-(:mod:`agentspec.adapters.langchain_io`), and ``_generate``/``_agenerate`` aggregate them. Async calls use
-``SpecClient.astream`` (native httpx.AsyncClient, no thread pool). The SpecClient is built on first use,
-never at construction, so constructing the model does not connect anywhere. Verifier failures surface
-as ``langchain_core.exceptions`` types (:mod:`agentspec.adapters.langchain_errors`), cause kept.
-
-Only verified tokens reach LangChain: text chunks hold committed text and each tool call arrives once,
-complete, as one ``tool_call_chunk``.
+Streaming is the primitive (``_generate``/``_agenerate`` aggregate it); async uses ``SpecClient.astream``.
+The SpecClient is built on first use, so constructing the model connects nowhere. Only verified tokens
+reach LangChain (committed text, each tool call once, complete); failures are ``langchain_core.exceptions``.
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model
 from agentspec.adapters.langchain_errors import map_error
 from agentspec.adapters.langchain_io import (
     ToolChoice,
-    add_instruction,
     event_chunk,
     final_chunk,
     parse_tool_choice,
@@ -49,7 +43,8 @@ from agentspec.adapters.langchain_io import (
     to_chat_messages,
 )
 from agentspec.client import FinalEvent, SpecClient
-from agentspec.router import ModePolicy
+from agentspec.router import ModeConfig, ModePolicy
+from agentspec.toolcalls import add_instruction
 from agentspec.types import SamplingParams
 
 _CALL_KWARGS = {"tools", "tool_choice", "parallel_tool_calls", "response_format", "model", "temperature", "top_p",
@@ -59,11 +54,9 @@ _CALL_KWARGS = {"tools", "tool_choice", "parallel_tool_calls", "response_format"
 class ChatAgentSpec(BaseChatModel):
     """A LangChain chat model served by agentspec-verifier(s), with speculative decoding and fallback.
 
-    ``model`` names the verifier's served target (reported as ``model_name``); ``base_url`` is one
-    verifier or several serving the same target (failover in order); ``fallback_model`` is a litellm model
-    id used when none is reachable. ``mode`` pins a decoding mode or lets the router choose (``auto``);
-    ``edge`` mode needs a local ``drafter`` sharing the target's tokenizer (``tokenizer`` is optional).
-    Greedy (``temperature`` 0 or unset) output is token-for-token the target's own greedy output.
+    ``base_url``: one verifier or several serving target ``model`` (failover in order); ``fallback_model``: a
+    litellm model id used when none is reachable. ``mode`` pins a decoding mode or lets the router choose;
+    ``edge`` needs a local ``drafter`` sharing the target's tokenizer. Greedy output is the target's own.
     """
 
     model_config = ConfigDict(populate_by_name=True)
@@ -107,8 +100,6 @@ class ChatAgentSpec(BaseChatModel):
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         return self
 
-    # -- identity ----------------------------------------------------------------------------------
-
     @property
     def _llm_type(self) -> str:
         return "agentspec"
@@ -139,17 +130,15 @@ class ChatAgentSpec(BaseChatModel):
             text_inputs=True, image_inputs=False, image_url_inputs=False, pdf_inputs=False, audio_inputs=False,
             video_inputs=False, image_tool_message=False, pdf_tool_message=False, text_outputs=True,
             image_outputs=False, audio_outputs=False, video_outputs=False, reasoning_output=False,
-            tool_calling=True, tool_call_streaming=True,
+            tool_calling=True, tool_call_streaming=True, temperature=True, attachment=False,
             tool_choice=True,  # by instruction + a check of the verified calls, not constrained decoding
             structured_output=False,  # JSON modes are prompted and parsed, not grammar-enforced (yet)
-            temperature=True, attachment=False,
         )
-
-    # -- the SpecClient, built lazily --------------------------------------------------------------
 
     def _new_client(self) -> SpecClient:
         if self._policy is None:  # shared by all clients of this model: one set of measurements
-            self._policy = ModePolicy(has_drafter=self.drafter is not None, has_api=self.fallback_model is not None)
+            self._policy = ModePolicy(ModeConfig(has_drafter=self.drafter is not None,
+                                                 has_api=self.fallback_model is not None))
         return SpecClient(self.base_url, api_key=self.api_key.get_secret_value() if self.api_key else None,
                           drafter=self.drafter, tokenizer=self.tokenizer, num_draft_tokens=self.num_draft_tokens,
                           mode=self.mode, fallback_model=self.fallback_model, timeout=self.timeout or 60.0,
@@ -170,13 +159,10 @@ class ChatAgentSpec(BaseChatModel):
                 client = self._async_clients[loop] = self._new_client()
             return client
 
-    # -- one call ----------------------------------------------------------------------------------
-
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
                  ) -> tuple[dict[str, Any], ToolChoice]:
         """SpecClient.stream arguments for this call, and the tool choice to check afterwards."""
-        unknown = set(kwargs) - _CALL_KWARGS
-        if unknown:
+        if unknown := set(kwargs) - _CALL_KWARGS:
             raise TypeError(f"ChatAgentSpec got unsupported call arguments {sorted(unknown)}; "
                             f"supported: {sorted(_CALL_KWARGS)}")
         model = kwargs.get("model")
@@ -200,32 +186,27 @@ class ChatAgentSpec(BaseChatModel):
                 "model": model}  # a per-call override: the verifier checks it is one of its served names
         return args, choice
 
-    def _finish(self, final: FinalEvent, choice: ToolChoice, model: str | None) -> ChatGenerationChunk:
-        choice.check(final.tool_calls, final.text)
-        return final_chunk(final, model or self.model_name)
+    def _chunk(self, event: Any, choice: ToolChoice, model: str | None) -> ChatGenerationChunk | None:
+        if not isinstance(event, FinalEvent):
+            return event_chunk(event)
+        choice.check(event.tool_calls, event.text)
+        return final_chunk(event, model or self.model_name)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         args, choice = self._prepare(messages, stop, kwargs)
         events = self._client().stream(**args)
         try:
-            while True:
-                try:
-                    event = next(events, None)
-                except Exception as e:
-                    _reraise(e)
-                if event is None:
-                    return
+            for event in events:
                 chunk = self._chunk(event, choice, args["model"])
                 if chunk is not None:
                     if run_manager:
                         run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                     yield chunk
+        except Exception as e:
+            _reraise(e)
         finally:
             events.close()  # a consumer that stops early ends the HTTP stream now, not at garbage collection
-
-    def _chunk(self, event: Any, choice: ToolChoice, model: str | None) -> ChatGenerationChunk | None:
-        return self._finish(event, choice, model) if isinstance(event, FinalEvent) else event_chunk(event)
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
@@ -233,18 +214,14 @@ class ChatAgentSpec(BaseChatModel):
         args, choice = self._prepare(messages, stop, kwargs)
         events = self._aclient().astream(**args)
         try:
-            while True:
-                try:
-                    event = await anext(events, None)
-                except Exception as e:
-                    _reraise(e)
-                if event is None:
-                    return
+            async for event in events:
                 chunk = self._chunk(event, choice, args["model"])
                 if chunk is not None:
                     if run_manager:
                         await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                     yield chunk
+        except Exception as e:
+            _reraise(e)
         finally:
             await events.aclose()
 
@@ -256,17 +233,14 @@ class ChatAgentSpec(BaseChatModel):
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
 
-    # -- tools and structured output ---------------------------------------------------------------
-
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool], *,
                    tool_choice: str | dict[str, Any] | bool | None = None, strict: bool | None = None,
                    parallel_tool_calls: bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (any form ``convert_to_openai_tool`` takes) and an optional ``tool_choice``.
 
-        ``tool_choice``: "auto" (default), "none" (tools are not shown to the target), "any"/"required",
-        a tool name, or ``{"type": "function", "function": {"name": ...}}``. Required and named choices are
-        asked for in a system instruction and checked on the verified output (``ToolChoiceError`` when
-        not met); decoding is not constrained. ``strict`` is recorded in the schemas but not enforced.
+        ``tool_choice``: "auto", "none" (tools hidden), "any"/"required", a tool name or an OpenAI dict;
+        required and named choices are asked for by instruction and checked (``ToolChoiceError``), not
+        enforced by constrained decoding. ``strict`` is recorded in the schemas but not enforced.
         """
         formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
         parse_tool_choice(tool_choice, formatted, parallel_tool_calls)  # fail here, not at call time
@@ -282,10 +256,9 @@ class ChatAgentSpec(BaseChatModel):
                                ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
         """Answers parsed into ``schema`` (a Pydantic class, TypedDict, JSON schema or OpenAI tool).
 
-        ``function_calling`` forces a call to a tool built from the schema; ``json_mode`` and
-        ``json_schema`` ask for JSON text (the schema goes into a system instruction) and parse it.
-        Nothing constrains decoding yet, so a target that does not comply raises a parsing error
-        (or ``ToolChoiceError``); with ``include_raw=True`` parsing errors are returned instead.
+        ``function_calling`` forces a call to a tool built from the schema; ``json_mode``/``json_schema`` ask
+        for JSON text by instruction. Decoding is not constrained, so a non-complying target raises a parsing
+        error (or ``ToolChoiceError``); with ``include_raw=True`` parsing errors are returned instead.
         """
         if kwargs:
             raise ValueError(f"unsupported arguments {sorted(kwargs)}")

@@ -1,9 +1,8 @@
 """LangChain error types for verifier failures, so agent retry middleware can read ``is_retryable``.
 
-Each verifier error class inherits from both the agentspec transport type (callers catching
-:class:`~agentspec.transport.VerifierUnavailable` keep working) and the matching
-``langchain_core.exceptions`` type (as langchain-openai's ``OpenAIRateLimitError`` does). Errors of the
-fallback API model (litellm, built on openai's exceptions) map to the plain LangChain types.
+Each verifier error class inherits from the agentspec transport type (callers catching it keep working)
+and, second, the matching ``langchain_core.exceptions`` type, which the fallback API model's (litellm's)
+errors map to.
 """
 
 from __future__ import annotations
@@ -66,9 +65,8 @@ class VerifierContextOverflowError(VerifierError, ContextOverflowError):
 class ToolChoiceError(ModelError):
     """The target answered without the tool call that ``tool_choice`` required.
 
-    agentspec asks for the call in a system instruction and checks the verified output; it does not
-    constrain decoding yet, so a target that ignores the instruction fails here. ``raw_text`` is what it
-    wrote instead. Greedy decoding would answer the same again, so this is not retryable.
+    Decoding is not constrained yet, so a target that ignores the instruction fails here; ``raw_text`` is
+    what it wrote instead. Greedy decoding would answer the same again, so this is not retryable.
     """
 
     def __init__(self, message: str, *, raw_text: str = "") -> None:
@@ -80,11 +78,6 @@ _BY_STATUS: dict[int, type[VerifierError]] = {
     401: VerifierAuthenticationError, 403: VerifierPermissionDeniedError, 404: VerifierNotFoundError,
     408: VerifierTimeoutError, 429: VerifierRateLimitError, 504: VerifierTimeoutError,
 }
-_PLAIN = {VerifierAuthenticationError: ModelAuthenticationError, VerifierPermissionDeniedError:
-          ModelPermissionDeniedError, VerifierNotFoundError: ModelNotFoundError, VerifierTimeoutError:
-          ModelTimeoutError, VerifierRateLimitError: ModelRateLimitError, VerifierAPIError: ModelAPIError,
-          VerifierConnectionError: ModelConnectionError, VerifierInvalidRequestError: ModelInvalidRequestError,
-          VerifierContextOverflowError: ContextOverflowError}
 
 
 def _timed_out(e: BaseException) -> bool:
@@ -129,7 +122,7 @@ def map_error(e: BaseException) -> Exception | None:
         if isinstance(e, openai.APIConnectionError) or not isinstance(status, int):
             status = None  # litellm gives connection errors a status of 500
         cls = _kind(status, str(e), _timed_out(e), isinstance(e, openai.APIConnectionError))
-        return _PLAIN[cls](f"fallback model failed: {e}")
+        return cls.__bases__[1](f"fallback model failed: {e}")  # the plain LangChain type
     if isinstance(e, (httpx.TimeoutException, TimeoutError)):
         return ModelTimeoutError(f"agentspec request timed out: {e}")
     if isinstance(e, httpx.TransportError):

@@ -1,13 +1,8 @@
 """LangChain ⇄ SpecClient translation for :class:`~agentspec.adapters.langchain.ChatAgentSpec`.
 
-Input flow: LangChain messages → OpenAI-style dicts (text only; tool-call arguments as JSON objects, the
-form chat templates render) → a system instruction added when ``tool_choice`` or a JSON
-``response_format`` asks for one → ``SpecClient.stream(messages, tools)``.
-
-Output flow: each verified event becomes one chunk — ``TextEvent`` → content, ``ToolCallEvent`` → one
-complete ``tool_call_chunk`` (index, id, name, full arguments), ``FinalEvent`` → the last chunk
-(``chunk_position="last"``) carrying usage, finish reason and agentspec statistics. ``PreviewEvent``
-(unverified draft text) is dropped: a LangChain stream never shows a token that may be rolled back.
+In: LangChain messages → OpenAI-style text dicts, plus a system instruction for ``tool_choice`` or a JSON
+``response_format``. Out: each verified event → one chunk (a tool call as one complete ``tool_call_chunk``,
+the final event as the last chunk with usage and statistics); unverified previews are dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ from langchain_core.outputs import ChatGenerationChunk
 
 from agentspec.adapters.langchain_errors import ToolChoiceError
 from agentspec.client import FinalEvent, TextEvent, ToolCallEvent
+from agentspec.toolcalls import tool_choice_instruction
 
 
 def to_chat_messages(messages: Sequence[BaseMessage], dict_arguments: bool = True) -> list[dict[str, Any]]:
@@ -66,26 +62,10 @@ def _text_of(blocks: list[Any], role: str) -> str:
     return "\n".join(texts)
 
 
-def add_instruction(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    """Append ``text`` to the leading system message (one is inserted if there is none).
-
-    The leading message, not the last one, so an agent that always sends the same instruction keeps
-    its prompt prefix, and the verifier's cached prefix, stable from step to step.
-    """
-    if messages and messages[0].get("role") == "system":
-        first = dict(messages[0])
-        first["content"] = f"{first.get('content') or ''}\n\n{text}".lstrip()
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
 @dataclass(frozen=True)
 class ToolChoice:
-    """What ``tool_choice`` asks for: ``kind`` is ``auto``, ``none``, ``any`` or ``named`` (``name`` set).
-
-    ``single`` is ``parallel_tool_calls=False``. Enforced by a system instruction plus a check of the
-    verified calls (:meth:`check`), not by constrained decoding.
-    """
+    """What ``tool_choice`` asks for: ``kind`` ``auto``, ``none``, ``any`` or ``named`` (``name`` set);
+    ``single``: ``parallel_tool_calls=False``. Enforced by instruction and :meth:`check`, not decoding."""
 
     kind: str = "auto"
     name: str | None = None
@@ -94,13 +74,7 @@ class ToolChoice:
 
     def instruction(self) -> str | None:
         """The system instruction that asks the target for this choice, if any."""
-        if self.kind == "any":
-            text = "You must answer with a call to one of the provided functions."
-        elif self.kind == "named":
-            text = f"You must answer with a call to the function {self.name}."
-        else:
-            return "Call at most one function." if self.single and self.kind == "auto" else None
-        return text + (" Call exactly one function." if self.single else "")
+        return tool_choice_instruction(self.openai(), self.single)
 
     def openai(self) -> str | dict[str, Any] | None:
         """The choice in OpenAI's form (``None`` for auto), for the drafters' grammar."""
@@ -164,9 +138,9 @@ def parse_tool_choice(tool_choice: Any, tools: Sequence[dict[str, Any]] | None,
 
 def response_format_instruction(response_format: dict[str, Any] | None) -> str | None:
     """The system instruction for an OpenAI ``response_format`` (json_object / json_schema), if any."""
-    if not response_format or response_format.get("type") == "text":
+    kind = response_format.get("type") if response_format else "text"
+    if kind == "text":
         return None
-    kind = response_format.get("type")
     if kind == "json_object":
         return "Respond with one JSON object and nothing else."
     if kind == "json_schema":

@@ -1,34 +1,15 @@
 """A litellm custom provider: ``litellm.completion(model="agentspec/<served-model>", api_base=URL, ...)``.
 
-Input flow: after :func:`register`, litellm routes ``agentspec/...`` calls to :class:`AgentSpecLLM` with
-the model name, OpenAI-style messages and ``optional_params`` (max_tokens, temperature, top_p, top_k,
-seed, stop, tools, tool_choice, and agentspec's ``mode``, ``num_draft_tokens``, ``segment_tokens``).
-:func:`~agentspec.adapters.litellm_request.parse_request` turns them into one frozen ``Request``:
-``api_base`` names the verifier(s) (comma-separated for failover), ``api_key`` the Bearer key (default
-``AGENTSPEC_API_KEY``). Drafting happens on the verifier (``mode`` auto, server or server-ar);
-``num_draft_tokens`` reaches :class:`SpecClient`, which uses it in edge mode only, so in server mode the
-verifier picks the draft length.
+After :func:`register`, litellm routes ``agentspec/...`` calls to :class:`AgentSpecLLM`;
+:func:`~agentspec.adapters.litellm_request.parse_request` validates them (``api_base``: verifier URLs,
+comma-separated for failover). Drafting happens on the verifier (``mode`` auto, server or server-ar).
 
-Generation: every call runs :meth:`SpecClient.astream` (native async) in a task feeding a queue, and the
-caller waits on that queue under a deadline of ``timeout`` seconds — litellm passes ``timeout`` to custom
-providers but does not enforce it, so this module does: at the deadline the task is cancelled (its HTTP
-request with it) and ``litellm.Timeout`` is raised at once. Async calls run on the caller's event loop;
-sync calls run the same coroutine on one private event-loop thread (:class:`_LoopThread`). SpecClients
-(HTTP/2 keep-alive pools) are cached per event loop and settings.
-
-Output flow: only verified events leave: text as it is committed, a tool call once it is complete
-(litellm ``GenericStreamingChunk.tool_use``), never a preview. The last chunk carries the finish reason
-and usage (litellm shows it to the caller with ``stream_options={"include_usage": True}`` and always
-hands it to ``stream_chunk_builder``); the ``ModelResponse`` always has usage, ``finish_reason ==
-"tool_calls"`` when there are calls, and SpecClient's statistics in ``_hidden_params["agentspec"]``.
-Verifier errors become litellm exception types (unreachable → ``APIConnectionError``, 503 →
-``ServiceUnavailableError``, other 5xx → ``InternalServerError``, 401 → ``AuthenticationError``, timeouts
-→ ``Timeout``) so ``litellm.Router`` retries and fallbacks apply.
-
-``tool_choice``: ``"none"`` hides the tools; ``"auto"`` is the default; ``"required"`` and a named
-function are *not* enforced by constrained decoding — the named tool is kept alone and a hint is appended
-to the last user message (as the verifier's /v1/chat/completions does), so the model may still answer
-in text.
+Every call runs :meth:`SpecClient.astream` in a task feeding a queue and waits under a ``timeout`` deadline:
+litellm passes ``timeout`` to custom providers but does not enforce it, so this module does (the task is
+cancelled, ``litellm.Timeout`` raised). Sync calls run on one private event-loop thread; SpecClients are
+cached per event loop and settings. Only verified events leave (text as committed, each tool call once,
+complete); verifier errors become litellm exception types so ``litellm.Router`` retries and fallbacks apply.
+``tool_choice`` "required" or a named function is only hinted in the last user message, not enforced.
 """
 
 from __future__ import annotations
@@ -45,10 +26,11 @@ from typing import Any
 import httpx
 
 from agentspec.adapters.litellm_request import Request, UnsupportedRequest, parse_request
-from agentspec.client import FinalEvent, SpecClient, TextEvent, ToolCallEvent, _litellm
+from agentspec.client import FinalEvent, SpecClient, TextEvent, ToolCallEvent
+from agentspec.client.api import litellm_module
 from agentspec.transport import VerifierError, VerifierUnavailable
 
-litellm = _litellm()  # this module is imported only on demand; litellm comes with it (offline-safe settings)
+litellm = litellm_module()  # this module is imported only on demand; litellm comes with it (offline-safe settings)
 
 PROVIDER = "agentspec"
 DEFAULT_TIMEOUT_S = 600.0
@@ -73,10 +55,7 @@ def register(provider: str = PROVIDER) -> AgentSpecLLM:
 
 
 class AgentSpecLLM(litellm.CustomLLM):
-    """litellm ``CustomLLM`` backed by :class:`SpecClient` (see the module docstring).
-
-    litellm calls these methods with keyword arguments only; the ones not used here arrive in ``kwargs``.
-    """
+    """litellm ``CustomLLM`` backed by :class:`SpecClient`; unused keyword arguments land in ``kwargs``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -101,8 +80,7 @@ class AgentSpecLLM(litellm.CustomLLM):
         """Blocking stream of ``GenericStreamingChunk`` dicts: verified text and complete tool calls only."""
         req = _request(model, messages, api_base, api_key, optional_params, timeout)
         for ev in self._loop_thread.iterate(lambda: self._events(req)):
-            chunk = _chunk(ev)
-            if chunk is not None:
+            if (chunk := _chunk(ev)) is not None:
                 yield chunk
 
     async def acompletion(self, model: str, messages: list, api_base: str | None = None,
@@ -121,31 +99,20 @@ class AgentSpecLLM(litellm.CustomLLM):
         """Async stream of ``GenericStreamingChunk`` dicts on the caller's event loop."""
         req = _request(model, messages, api_base, api_key, optional_params, timeout)
         async for ev in self._events(req):
-            chunk = _chunk(ev)
-            if chunk is not None:
+            if (chunk := _chunk(ev)) is not None:
                 yield chunk
 
     async def _events(self, req: Request) -> AsyncIterator[Any]:
-        """SpecClient events under the request's deadline, with errors translated for litellm.
-
-        The SpecClient stream runs in its own task feeding a queue, so the deadline holds exactly: on
-        timeout the task is cancelled and left to close its verifier session in the background.
-        """
+        """SpecClient events under the request's deadline (errors translated for litellm); on timeout the
+        stream's task is cancelled and left to close its verifier session in the background."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.timeout_s if req.timeout_s is not None else None
         client = self._client(req, loop)
         events: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
 
-        async def produce() -> None:
-            try:
-                async for ev in client.astream(req.messages, req.tools, max_tokens=req.max_tokens,
-                                               sampling=req.sampling, stop=req.stop, mode=req.mode):
-                    events.put_nowait((True, ev))
-                events.put_nowait((False, None))
-            except Exception as e:  # raised to the consumer below
-                events.put_nowait((False, e))
-
-        task = loop.create_task(produce())
+        stream = client.astream(req.messages, req.tools, max_tokens=req.max_tokens, sampling=req.sampling,
+                                stop=req.stop, mode=req.mode)
+        task = loop.create_task(_pump(stream, events.put_nowait))  # its errors are raised to the consumer below
         _background.add(task)
         task.add_done_callback(_background.discard)
         try:
@@ -200,16 +167,7 @@ class _LoopThread:
     def iterate(self, make: Callable[[], AsyncIterator[Any]]) -> Iterator[Any]:
         """Yield ``make()``'s items in this thread; the generator runs as one task on the private loop."""
         items: queue.Queue[tuple[bool, Any]] = queue.Queue()
-
-        async def pump() -> None:
-            try:
-                async for item in make():
-                    items.put((True, item))
-                items.put((False, None))
-            except Exception as e:  # delivered to the consuming thread, raised there
-                items.put((False, e))
-
-        future = asyncio.run_coroutine_threadsafe(pump(), self._get())
+        future = asyncio.run_coroutine_threadsafe(_pump(make(), items.put), self._get())
         try:
             while True:
                 ok, item = items.get()
@@ -221,6 +179,16 @@ class _LoopThread:
                     raise item
         finally:
             future.cancel()  # the consumer stopped early: cancel the request (no-op when it finished)
+
+
+async def _pump(items: AsyncIterator[Any], put: Callable[[tuple[bool, Any]], Any]) -> None:
+    """Hand ``items`` to ``put`` as ``(True, item)``, then ``(False, None)`` or ``(False, error)``."""
+    try:
+        async for item in items:
+            put((True, item))
+        put((False, None))
+    except Exception as e:
+        put((False, e))
 
 
 def _request(model: str, messages: list, api_base: str | None, api_key: str | None,

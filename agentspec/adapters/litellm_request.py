@@ -1,9 +1,7 @@
 """litellm's call arguments → one validated :class:`Request` for :class:`agentspec.client.SpecClient`.
 
-Pure: no litellm import, no I/O. Messages become plain JSON dicts (litellm ``Message`` objects from an
-agent's history are accepted); ``tool_choice`` is applied here (see :func:`_apply_tool_choice`). :func:`parse_request` raises :class:`UnsupportedRequest` (a
-``ValueError``) for what agentspec cannot honour; the provider (:mod:`agentspec.adapters.litellm`) turns it
-into ``litellm.BadRequestError``.
+Pure: no litellm import, no I/O. Messages become plain JSON dicts, ``tool_choice`` is applied here, and
+what agentspec cannot honour raises :class:`UnsupportedRequest` (the provider's ``BadRequestError``).
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from agentspec.toolcalls import add_instruction, tool_choice_instruction
 from agentspec.types import SamplingParams
 
 _log = logging.getLogger("agentspec.litellm")
@@ -60,7 +59,6 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
     """Validate litellm's arguments; raises :class:`UnsupportedRequest` for what agentspec cannot honour."""
     params = dict(optional_params or {})
     bad = UnsupportedRequest
-
     if int(params.get("n") or 1) != 1:
         raise bad("agentspec generates one choice per request (n=1)")
     rf = params.pop("response_format", None)
@@ -88,8 +86,7 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
                   "api mode a fallback model; through litellm, drafting happens on the verifier)")
     if int(max_tokens) < 1:
         raise bad(f"max_tokens must be >= 1, got {max_tokens}")
-    unknown = sorted(k for k in params if k not in _IGNORED and params[k] is not None)
-    if unknown:
+    if unknown := sorted(k for k in params if k not in _IGNORED and params[k] is not None):
         _log.warning("agentspec provider ignores unsupported parameters: %s", ", ".join(unknown))
     return Request(model=model, urls=urls, api_key=api_key or os.environ.get("AGENTSPEC_API_KEY"),
                    messages=messages, tools=tools, max_tokens=int(max_tokens), sampling=sampling, stop=stop,
@@ -107,19 +104,12 @@ def _apply_tool_choice(choice: Any, tools: list[dict[str, Any]] | None, messages
     if choice == "none":
         return None, messages
     if choice == "required":
-        return tools, _hint(messages, "Answer with a function call.")
+        return tools, add_instruction(messages, tool_choice_instruction("required"))
     name = ((choice.get("function") or {}).get("name") if isinstance(choice, dict) else None)
     named = [t for t in tools if (t.get("function") or {}).get("name") == name]
     if not named:
         raise UnsupportedRequest(f"tool_choice must be 'none', 'auto', 'required' or name one of the tools, got {choice!r}")
-    return named, _hint(messages, f"Call the function {name}.")
-
-
-def _hint(messages: list[dict[str, Any]], hint: str) -> list[dict[str, Any]]:
-    last = messages[-1]
-    if last.get("role") != "user" or not isinstance(last.get("content"), str):
-        return messages
-    return [*messages[:-1], {**last, "content": f"{last['content']}\n\n{hint}"}]
+    return named, add_instruction(messages, tool_choice_instruction({"function": {"name": name}}))
 
 
 def _plain(message: Any) -> dict[str, Any]:

@@ -70,9 +70,6 @@ class TokenTrie:
         self.parents: list[int] = []
         self._children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
 
-    def size(self) -> int:
-        return len(self.tokens)
-
     def new_nodes(self, seq: list[int]) -> int:
         """How many nodes adding ``seq`` would create."""
         parent, i = -1, 0
@@ -116,34 +113,8 @@ def propose_round(drafter: Drafter | None, ctx: DraftContext, k: int) -> DraftPr
     return drafter.propose(ctx, max(k, 0))
 
 
-def observed_acceptance(proposal: DraftProposal, reached: int, accepted: int) -> tuple[int, int, int]:
-    """(drafted, reached, accepted) of a round's *free* draft tokens, for the γ policy's estimates.
-
-    Forced tokens are not the policy's choice and are accepted almost surely; counting them would
-    inflate α. When the target rejects a forced token the free tokens were never reached."""
-    f = proposal.num_forced
-    if accepted < f:
-        return len(proposal) - f, 0, 0
-    return len(proposal) - f, max(reached - f, 0), accepted - f
-
-
 def remember_output(drafter: Drafter | None, ctx: DraftContext) -> None:
     """Hand a finished generation to drafters that index past outputs (cross-conversation copying)."""
     remember = getattr(drafter, "remember", None)
     if remember is not None:
         remember(ctx)
-
-
-def make_drafter(name: str, **kwargs: Any) -> Drafter:
-    """Build a registered drafter by name (``ngram``, ``model``, ...)."""
-    import agentspec.drafters.copy  # noqa: F401  (registers the built-in drafters)
-    import agentspec.drafters.grammar  # noqa: F401
-    import agentspec.drafters.model  # noqa: F401
-    import agentspec.drafters.ngram  # noqa: F401
-    import agentspec.drafters.tree  # noqa: F401
-
-    try:
-        factory = DRAFTERS[name]
-    except KeyError:
-        raise ValueError(f"unknown drafter {name!r}; registered: {sorted(DRAFTERS)}") from None
-    return factory(**kwargs)

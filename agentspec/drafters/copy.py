@@ -1,11 +1,8 @@
 """Copy drafting: continue the longest earlier match of the context's tail.
 
-Sources, searched together: the committed tokens themselves (the prompt and this answer so far), the
-earlier steps of the same agent conversation (``DraftContext.history``) and a bounded, per-key
-:class:`SuffixIndex` of past outputs (agents repeat themselves across conversations). The match is
-extended backwards as far as it goes (up to ``max_match`` tokens) and the proposal length grows with it:
-a 1-token match proposes 1 token, a long match the full ``k`` (SuffixDecoding's observation that
-acceptance rises with match length).
+Sources: the committed tokens, earlier steps of the conversation (``DraftContext.history``) and a bounded
+per-key :class:`SuffixIndex` of past outputs. The proposal grows with the match length (SuffixDecoding:
+acceptance rises with it): a 1-token match proposes 1 token, a long match the full ``k``.
 """
 
 from __future__ import annotations
@@ -89,12 +86,7 @@ class CopyDrafter:
             self.index.add(ctx.tokens[start:], ctx.index_key, lead=ctx.tokens[max(start - LEAD, 0) : start])
 
     def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
-        found = self.candidates(ctx, k)
-        if not found:
-            return DraftProposal(source=self.name)
-        if len(found) == 1:
-            return DraftProposal(tokens=tuple(found[0][1]), source=self.name)
-        return merge_into_tree([c for _, c in found], source=self.name)
+        return merge_into_tree([c for _, c in self.candidates(ctx, k)], source=self.name)
 
     def candidates(self, ctx: DraftContext, k: int, tokens: list[int] | None = None) -> list[tuple[int, list[int]]]:
         """Up to ``max_candidates`` distinct (match length, continuation) pairs, longest match first.

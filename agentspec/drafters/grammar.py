@@ -1,17 +1,11 @@
 """Grammar drafting: the tokens a tool call's grammar forces, drafted with no model at all.
 
-From the request's tools (OpenAI format, JSON-schema parameters), ``tool_choice`` and
-``response_format``, :class:`ToolCallGrammar` builds llguidance grammars of a valid call in the
-target's formats. :class:`GrammarDrafter` follows the committed tokens; when they open a call (the
-Hermes/Qwen ``<tool_call>`` tag, a ```` ```json ```` fence, a bare JSON object as the whole answer, or
-the answer's start when ``tool_choice`` or ``response_format`` demand structure) it starts a matcher,
-and each round it drafts the tokens the grammar forces (``{"name": "``, the only valid next key,
-``"arguments": ``, closing brackets) and tells other drafters how much of their proposal the grammar
-allows (:meth:`GrammarDrafter.valid_prefix`).
-
-The grammar shapes drafts only: the target still decides every token. When the committed tokens leave
-the grammar (free text instead of a call, another argument order) the matcher is dropped and drafting
-goes on without it, until the next opening.
+:class:`ToolCallGrammar` builds llguidance grammars of valid calls from the request's tools,
+``tool_choice`` and ``response_format``. :class:`GrammarDrafter` follows the committed tokens, starts a
+matcher where they open a call (``<tool_call>``, a ```` ```json ```` fence, a bare JSON answer, or the
+answer's start when structure is demanded), drafts the forced tokens and tells other drafters how much of
+their proposal the grammar allows. The target still decides every token: when it leaves the grammar the
+matcher is dropped until the next opening.
 """
 
 from __future__ import annotations

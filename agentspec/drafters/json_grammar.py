@@ -1,11 +1,8 @@
 """JSON Schema → lark rules that also fix the layout, so a grammar can force whitespace too.
 
-llguidance's ``%json`` fixes separators but not indentation; chat targets write tool calls either compact
-(``{"name": "f", "arguments": {"x": 1}}``, Qwen's ``tojson``) or pretty-printed with two-space indents
-(``json.dumps(indent=2)``, what Qwen2.5-Coder writes in a code fence). :class:`LarkJson` writes, for
-the common schema subset (objects with properties, strings, enums, consts, numbers, integers,
-booleans, null, arrays), rules in one layout; anything else becomes llguidance's own flexible
-``%json``. Properties come in schema order; optional ones may be left out.
+llguidance's ``%json`` fixes separators but not indentation; targets write tool calls compact (Qwen's
+``tojson``) or with two-space indents (``json.dumps(indent=2)``). :class:`LarkJson` writes rules in one
+layout for the common schema subset; anything else becomes ``%json``. Optional properties may be left out.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """A small causal LM as drafter: shares the target's tokenizer, keeps its own KV cache.
 
-Each ``propose`` call first reconciles the drafter's cache with the committed tokens: it keeps the
-longest common prefix (draft tokens the target accepted stay cached), drops the rest, and feeds what is
-missing — at least the last committed token, the target's recovered/bonus token, which the drafter has
-never seen ("fill the last accepted token"). Then it drafts ``k`` tokens, one forward pass each.
-
-Greedy drafts take the argmax. Sampled drafts are drawn from the drafter's own processed distribution
-truncated to its top ``proposal_top_k`` tokens, and that truncated distribution is sent along as the
-draft's ``q`` — exactly the distribution the token came from, which lossless sampling requires.
-With ``tree_width > 1`` each depth also gets ``tree_width - 1`` sibling leaves (the next-best tokens
-when greedy, further independent samples when sampling): a wider tree at no extra drafter passes.
-A drafter with a reduced output vocabulary (:func:`agentspec.models.restrict_output_vocab`) drafts only
-from that set; its logits are scattered back to token ids (the rest at -inf).
+``propose`` keeps the cache's common prefix with the committed tokens and always feeds at least the last
+committed token (the target's recovered/bonus token, never seen by the drafter), then drafts ``k`` tokens.
+Sampled drafts come from the drafter's distribution truncated to ``proposal_top_k``, sent along as ``q``
+(lossless sampling needs the exact law). ``tree_width > 1`` adds sibling leaves at no extra passes; a
+reduced output vocabulary drafts from that set only.
 """
 
 from __future__ import annotations

@@ -32,15 +32,15 @@ class NgramDrafter:
     def reset(self) -> None:
         pass
 
+    def shadow(self) -> NgramDrafter | None:
+        """A fresh copy the router may replay over committed text (a chain lookup: ``max_candidates ==
+        1``), or None when this drafter proposes trees."""
+        return NgramDrafter(self.max_ngram, self.min_ngram) if self.max_candidates == 1 else None
+
     def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
         if k <= 0 or len(ctx.tokens) < self.min_ngram + 1:
             return DraftProposal(source=self.name)
-        candidates = self.candidates(ctx.tokens, k, extra=ctx.history)
-        if not candidates:
-            return DraftProposal(source=self.name)
-        if len(candidates) == 1:
-            return DraftProposal(tokens=tuple(candidates[0]), source=self.name)
-        return merge_into_tree(candidates, source=self.name)
+        return merge_into_tree(self.candidates(ctx.tokens, k, extra=ctx.history), source=self.name)
 
     def candidates(self, tokens: list[int], k: int, extra: list[list[int]] = ()) -> list[list[int]]:
         """Up to ``max_candidates`` distinct continuations (most recent match first) of length <= k."""
@@ -62,10 +62,7 @@ class NgramDrafter:
 
 
 def _match_starts(source: np.ndarray, pattern: np.ndarray) -> np.ndarray:
-    """Ascending start indices where ``pattern`` occurs in ``source`` with at least one token after it.
-
-    (For the context itself this excludes its own tail, which trivially matches.)
-    """
+    """Ascending starts of ``pattern`` in ``source`` with a token after it (so never the context's own tail)."""
     n = len(pattern)
     if len(source) <= n:
         return np.empty(0, dtype=np.int64)
@@ -74,7 +71,9 @@ def _match_starts(source: np.ndarray, pattern: np.ndarray) -> np.ndarray:
 
 
 def merge_into_tree(candidates: list[list[int]], source: str) -> DraftProposal:
-    """A trie of several token sequences, nodes in topological (insertion) order."""
+    """Token sequences as one proposal: a chain for one, else a trie in topological (insertion) order."""
+    if len(candidates) <= 1:
+        return DraftProposal(tokens=tuple(candidates[0]) if candidates else (), source=source)
     trie = TokenTrie()
     for seq in candidates:
         trie.add_chain(seq)

@@ -1,13 +1,9 @@
 """TreeDrafter: grammar-forced spans, copy candidates and model branches merged into one token tree.
 
-One round: the grammar's forced tokens ``F`` come first (a chain: every path shares them); after them
-each source proposes continuations of the context extended by ``F`` — copy candidates (longest match
-first) and the model drafter's chain (with its top-k siblings if it has ``tree_width > 1``). Each is
-cut to the prefix the grammar allows, and they are merged into a trie, verified in one pass.
-
-The node budget follows the measured verify-cost curve: beyond the first (best) candidate, more
-branches are added only while a pass of that many tokens costs about what one token costs
-(:meth:`TreeDrafter.set_verify_costs`); on hardware where t_v(k) grows with k the tree stays a chain.
+The forced tokens come first (every path shares them); copy candidates and the model's chain continue
+the extended context, each cut to what the grammar allows, merged into a trie and verified in one pass.
+Extra branches are added only while the measured verify-cost curve stays flat
+(:meth:`TreeDrafter.set_verify_costs`); where t_v(k) grows with k the tree stays a chain.
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ class TreeDrafter:
 
     name = "tree"
     drafts_forced = True
+    merges_sources = True  # already a tool drafter (never wrapped in another); no pipelined drafts ahead
 
     def __init__(self, grammar: GrammarDrafter | None = None, copy: CopyDrafter | None = None,
                  model: Drafter | None = None, node_budget: int = 0, max_forced: int = 16) -> None:
@@ -76,7 +73,7 @@ class TreeDrafter:
                     cand = cand[: self.grammar.valid_prefix(cand)]
                 if not cand:
                     continue
-                if i and trie.size() + trie.new_nodes(forced + cand) > budget:
+                if i and len(trie.tokens) + trie.new_nodes(forced + cand) > budget:
                     break
                 trie.add_chain(forced + cand)
         if not len(trie.tokens):
@@ -153,6 +150,7 @@ def _paths(proposal: DraftProposal) -> list[list[int]]:
     return out
 
 
+@register_drafter("default")
 def default_drafter(tokenizer: Any, model: Drafter | None = None, index: Any = None,
                     verify_costs: Mapping[int, float] | None = None) -> TreeDrafter:
     """agentspec's default drafting: grammar (when a tokenizer is known) + copy (+ a model drafter)."""

@@ -1,13 +1,8 @@
 """Distillation: the target's own responses, a drafter to start from, and a resumable training loop.
 
-* :func:`target_responses` — the target answers every prompt (greedy and/or sampled), rendered with its
-  own chat template; locally through :class:`SpecEngine` (lossless, so exactly the target's output) or
-  through an agentspec-verifier. Written to JSONL as it goes; a rerun skips what is there.
-* :func:`init_drafter` — an existing same-tokenizer model, the target's first layers, or new layers with
-  the target's vocabulary (embeddings and head optionally copied from the target).
-* :func:`train` — cross-entropy on the response tokens (plus optional KL to the target), full or LoRA.
-  A checkpoint (weights, optimiser, step, losses) is written every ``checkpoint_every`` steps; a rerun
-  continues from it with the same data order, so an interrupted run ends where an uninterrupted one does.
+:func:`target_responses` caches the target's (lossless) answers in JSONL; :func:`init_drafter` builds the
+model to train; :func:`train` checkpoints every ``checkpoint_every`` steps and resumes with the same data
+order, so an interrupted run ends where an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from agentspec import models
-from agentspec.engine import SpecEngine
+from agentspec.local import SpecEngine
 from agentspec.toolcalls import render_chat
 from agentspec.training.config import TrainConfig
 from agentspec.training.data import ChatExample
@@ -131,19 +126,13 @@ class TrainState:
     losses: list[float] = field(default_factory=list)
 
 
-def batches_per_epoch(num_samples: int, batch_size: int) -> int:
-    return math.ceil(num_samples / batch_size)
-
-
 def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint: Path,
           target: Any = None, stop_after: int | None = None,
           progress: Callable[[int, int, float], None] | None = None) -> TrainState:
-    """Train ``drafter`` in place; resumes from ``checkpoint`` when it exists. ``stop_after`` ends the run
-    after that many steps of this call (an interruption, for tests). ``target``: needed when kl_weight > 0.
+    """Train ``drafter`` in place, resuming from ``checkpoint``; ``stop_after``: steps of this call (tests).
 
-    A drafter with a reduced output head (:func:`agentspec.models.restrict_output_vocab`) is trained on
-    that head, as it will draft: the softmax runs over its rows only (response tokens outside it carry no
-    loss: the drafter can never propose them), and with ``cfg.train_head`` those rows are trained too."""
+    ``target`` is needed when kl_weight > 0. A reduced output head is trained as it will draft: softmax over
+    its rows only (tokens outside it carry no loss: never proposed); ``cfg.train_head`` trains those rows."""
     if not samples:
         raise ValueError("no training samples")
     if cfg.kl_weight > 0 and target is None:
@@ -151,7 +140,7 @@ def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint:
     model = _trainable(drafter, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    per_epoch = batches_per_epoch(len(samples), cfg.batch_size)
+    per_epoch = math.ceil(len(samples) / cfg.batch_size)
     total = per_epoch * cfg.epochs
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
                                               * 0.5 * (1 + math.cos(math.pi * min(s / total, 1.0))))
@@ -171,8 +160,8 @@ def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint:
     model.train()
     device = next(model.parameters()).device
     rows = _head_rows(drafter, device)
-    ran = 0
-    while state.step < total and (stop_after is None or ran < stop_after):
+    first = state.step
+    while state.step < total and (stop_after is None or state.step - first < stop_after):
         epoch, i = divmod(state.step, per_epoch)
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         batch = [samples[j] for j in order[i * cfg.batch_size : (i + 1) * cfg.batch_size]]
@@ -183,7 +172,6 @@ def train(drafter: Any, samples: Sequence[Sample], cfg: TrainConfig, checkpoint:
         opt.step()
         sched.step()
         state.step += 1
-        ran += 1
         state.losses.append(float(loss.detach()))
         if progress:
             progress(state.step, total, state.losses[-1])
@@ -311,12 +299,10 @@ def draft_vocabulary(samples: Sequence[Sample], size: int, vocab_size: int, alwa
 
 def save_drafter(drafter: Any, tokenizer: Any, out: Path, meta: dict[str, Any],
                  vocab: Sequence[int] | None = None, full_head: torch.Tensor | None = None) -> None:
-    """A standard checkpoint directory (weights, config, tokenizer) that ``load_model`` opens; ``vocab``
-    (a reduced output vocabulary) goes to :data:`agentspec.models.DRAFT_VOCAB_FILE` beside it.
+    """A standard checkpoint directory that ``load_model`` opens; ``vocab`` goes to ``DRAFT_VOCAB_FILE``.
 
-    A drafter whose head was reduced for training is saved with a full-size head: ``full_head`` (the head
-    it was reduced from) with the trained rows written back, so the directory stays a plain checkpoint
-    of the target's architecture; loading it cuts the head to ``vocab`` again."""
+    A head reduced for training is saved full-size (``full_head`` with the trained rows written back), so
+    the directory stays a plain checkpoint of the target's architecture; loading cuts it to ``vocab``."""
     model = drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter
     out.mkdir(parents=True, exist_ok=True)
     token_map = getattr(model, "agentspec_token_map", None)

@@ -1,12 +1,8 @@
 """Held-out evaluation of a drafter against its target: acceptance, draft cost, speed-up.
 
-Each held-out prompt is prefilled once; every run decodes from a copy of that cache (decode time only).
-For each held-out prompt the target decodes plainly (the reference, timed) and with the drafter in the
-in-process engine (co-located mode) at fixed γ = k for each k: α, mean accepted length, per-position
-acceptance, draft ms/token, and the measured decode speed-up next to the closed-form prediction from
-the measured t_v(k) curve. Every speculative output is checked against the plain one: identical, or
-(bf16 only) diverging first at a top-2 tie of the target's logits (:mod:`agentspec.equivalence`); any
-other divergence is reported as a failure.
+Each prompt is prefilled once and every run decodes from a copy of that cache (decode time only): plain
+(the timed reference) and speculative at fixed γ = k. Every speculative output must equal the plain one
+or (bf16 only) diverge first at a top-2 logit tie (:mod:`agentspec.equivalence`); anything else fails.
 """
 
 from __future__ import annotations
@@ -18,8 +14,8 @@ from typing import Any
 from agentspec import models, router
 from agentspec.drafters.base import DraftContext
 from agentspec.drafters.model import ModelDrafter
-from agentspec.engine import SpecEngine
-from agentspec.equivalence import check_divergence, logit_path_noise
+from agentspec.local import SpecEngine
+from agentspec.models import check_divergence, logit_path_noise
 from agentspec.toolcalls import render_chat
 from agentspec.training.data import ChatExample
 from agentspec.types import SamplingParams, SpecStats

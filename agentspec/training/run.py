@@ -1,14 +1,14 @@
 """``agentspec train`` end to end: data → split → the target's responses → drafter → train → evaluate → report.
 
-Everything lands in ``cfg.output``: ``responses.jsonl`` (the distillation data, reused by a rerun),
-``checkpoint.pt`` (resume point), the drafter itself (``config.json``, weights, tokenizer — it loads as
-``agentspec-verifier --draft-model DIR`` and as ``ModelDrafter(load_model(DIR))``), and
-``report.json`` / ``report.md`` with the split, the before/after table, wall time and peak memory.
+Everything lands in ``cfg.output``: ``responses.jsonl``, ``checkpoint.pt``, the drafter (loads as
+``--draft-model DIR`` and ``ModelDrafter(load_model(DIR))``) and ``report.json`` / ``report.md``.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import resource
 import sys
 import time
@@ -87,7 +87,7 @@ def run_training(cfg: TrainConfig, target: models.LoadedModel | None = None, sto
                           stop_after, _bar("training"))
     report.update(train_steps=state.step, final_loss=state.losses[-1] if state.losses else None,
                   losses=state.losses, train_s=time.perf_counter() - t_train, responses_s=data_s)
-    total = distill.batches_per_epoch(len(samples), cfg.batch_size) * cfg.epochs
+    total = math.ceil(len(samples) / cfg.batch_size) * cfg.epochs
     if state.step < total:
         _say(f"stopped at step {state.step}/{total}; rerun the same command to resume")
         report["finished"] = False
@@ -111,16 +111,12 @@ def _eval_target(target: models.LoadedModel, cfg: TrainConfig) -> models.LoadedM
     dtype = models.resolve_dtype(cfg.eval_dtype, target.device)
     if dtype == target.dtype:
         return target
-    import copy
-
     model = copy.deepcopy(target.model).to(dtype)
     return models.LoadedModel(model, target.tokenizer, target.name, target.device, dtype)
 
 
 def _as(drafter: Any, target: models.LoadedModel) -> Any:
     """The drafter in the target's dtype (a copy: training continues on the original)."""
-    import copy
-
     base = drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter
     return copy.deepcopy(base).to(target.dtype).eval()
 

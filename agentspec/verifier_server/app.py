@@ -47,14 +47,16 @@ def create_app(engine: VerifierEngine) -> FastAPI:
             raise ProtocolError("missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key",
                                 status=401)
         given = token.strip().encode()
-        ok = False
-        for k in keys:
-            ok |= hmac.compare_digest(given, k)
-        if not ok:
+        if not any([hmac.compare_digest(given, k) for k in keys]):  # a list: compare every key, no short cut
             raise ProtocolError("invalid API key", code="invalid_api_key", status=401)
         return key_owner(token.strip())
 
-    async def parse(request: Request, model: Any) -> Any:
+    async def admit(request: Request, model: Any) -> tuple[str, Any]:
+        """Authenticate, require a loaded model, then read and validate the body: (owner, request)."""
+        owner = owner_of(request)
+        if not engine.ready:
+            raise ProtocolError("the model is still loading; retry when /health says ok", code="not_ready",
+                                status=503)
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
             raise ProtocolError(too_large, code="body_too_large", status=413)
@@ -72,9 +74,9 @@ def create_app(engine: VerifierEngine) -> FastAPI:
         if not isinstance(data, dict):
             raise ProtocolError("request body must be a JSON object", code="invalid_json")
         try:
-            return model.model_validate(data)
+            return owner, model.model_validate(data)
         except ValidationError as e:
-            raise _BadBody(e.errors()) from e
+            raise RequestValidationError(e.errors()) from e
 
     async def timed(coro: Any, endpoint: str) -> Any:
         t0 = time.perf_counter()
@@ -86,11 +88,6 @@ def create_app(engine: VerifierEngine) -> FastAPI:
         finally:
             if engine.metrics:
                 engine.metrics.request(endpoint, time.perf_counter() - t0)
-
-    def require_ready() -> None:
-        if not engine.ready:
-            raise ProtocolError("the model is still loading; retry when /health says ok", code="not_ready",
-                                status=503)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in config.served_names:
@@ -107,11 +104,13 @@ def create_app(engine: VerifierEngine) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _validation_response(e.errors())
-
-    @app.exception_handler(_BadBody)
-    async def _bad_body(_: Request, e: _BadBody) -> JSONResponse:
-        return _validation_response(e.errors)
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        msg = first.get("msg", "invalid request").removeprefix("Value error, ")
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        return JSONResponse(error_body(f"{param}: {msg}{more}" if param else msg + more, param=param,
+                                       code="invalid_request"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -150,9 +149,7 @@ def create_app(engine: VerifierEngine) -> FastAPI:
 
     @app.post("/v1/spec/sessions")
     async def open_session(request: Request) -> dict:
-        owner = owner_of(request)
-        require_ready()
-        req = await parse(request, OpenSession)
+        owner, req = await admit(request, OpenSession)
         check_model(req.model)
         info = await timed(engine.open_session(req, owner), "open_session")
         return info.model_dump()
@@ -170,18 +167,14 @@ def create_app(engine: VerifierEngine) -> FastAPI:
 
     @app.post("/v1/spec/sessions/{session_id}/rounds")
     async def verify_round(session_id: str, request: Request) -> dict:
-        owner = owner_of(request)
-        require_ready()
-        req = await parse(request, VerifyRound)
+        owner, req = await admit(request, VerifyRound)
         session = engine.store.get(session_id, owner)
         reply = await timed(engine.verify_round(session, req), "round")
         return reply.model_dump()
 
     @app.post("/v1/spec/sessions/{session_id}/generate")
     async def generate(session_id: str, request: Request) -> StreamingResponse:
-        owner = owner_of(request)
-        require_ready()
-        req = await parse(request, Generate)
+        owner, req = await admit(request, Generate)
         session = engine.store.get(session_id, owner)
         req.check_against(engine.vocab_size, config.max_draft_tokens)
         rounds = engine.generate(session, req)
@@ -203,9 +196,7 @@ def create_app(engine: VerifierEngine) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        owner = owner_of(request)
-        require_ready()
-        req = await parse(request, ChatRequest)
+        owner, req = await admit(request, ChatRequest)
         check_model(req.model)
         if not req.stream:
             return await timed(chat_completion(engine, req, owner), "chat_completions")
@@ -223,18 +214,3 @@ def create_app(engine: VerifierEngine) -> FastAPI:
         return StreamingResponse(body(), media_type="text/event-stream")
 
     return app
-
-
-class _BadBody(Exception):
-    def __init__(self, errors: list[dict[str, Any]]) -> None:
-        super().__init__("invalid request body")
-        self.errors = errors
-
-
-def _validation_response(errors: list[dict[str, Any]]) -> JSONResponse:
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-    msg = first.get("msg", "invalid request").removeprefix("Value error, ")
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return JSONResponse(error_body(f"{param}: {msg}{more}" if param else msg + more, param=param,
-                                   code="invalid_request"), status_code=400)

@@ -52,7 +52,7 @@ class Session:
     generator: torch.Generator | None = None
     seed: int | None = None
     async_lock: Any = None  # asyncio.Lock, created on the server's event loop
-    text_sent: int = 0  # characters of the generated text already returned
+    decoder: Any = None  # IncrementalDecoder of the generated text (the replies' ``text``)
     drafter: Any = None  # server mode: this session's drafter (with its own KV cache)
     drafter_kind: str = ""  # which kind ``drafter`` is (the Generate request's ``drafter``)
     structure: tuple[Any, Any, Any] = (None, None, None)  # (tools, tool_choice, response_format): grammar drafting
@@ -79,12 +79,10 @@ class KVStore:
         self._lock = threading.RLock()
         self.evictions = 0
         self.bytes_per_token = 0  # KV bytes per cached position (set by the engine after its warm-up)
-        # Every round re-allocates a session's KV (the cache grows by concatenation) and frees the old
-        # tensors; glibc keeps freed pages, so RSS would creep above the cap. After this many freed bytes
-        # they are handed back to the OS, but only while RSS is above ``rss_soft_limit`` (the engine sets
-        # it to the resident weights + the cap, the bound the server promises): a trim is ~1 ms, but the
-        # next round then page-faults its whole cache back in (SmolLM2-135M, 600-token context: 84-90 ms
-        # per step trimming, 66-74 ms not). KV on a GPU does not live on the heap.
+        # Each round re-allocates a session's KV and glibc keeps the freed pages, so RSS creeps above the
+        # cap: after this many freed bytes they go back to the OS, but only while RSS is above
+        # ``rss_soft_limit`` (weights + cap): the next round page-faults its cache back in (84-90 vs 66-74 ms
+        # per step, SmolLM2-135M, 600 tokens). KV on a GPU does not live on the heap.
         on_cpu = getattr(getattr(model, "device", None), "type", "cpu") == "cpu"
         self.trim_every_bytes = 16 * 1024**2 if on_cpu else None
         self.rss_soft_limit: int | None = None
@@ -120,12 +118,10 @@ class KVStore:
 
     def create(self, owner: str, tokens: list[int], max_new_tokens: int, stop_token_ids: frozenset[int]
                ) -> tuple[Session, int]:
-        """A new session for ``tokens``; its cache starts from the longest cached prefix ``owner`` has.
+        """(a new session for ``tokens``, positions reused from ``owner``'s longest cached prefix).
 
-        Room for the whole prompt's KV is made *before* the prefill (evicting least recently used
-        sessions, never the prefix donor), so the cap holds while the new cache grows.
-        Returns the session and how many positions were reused.
-        """
+        Room for the whole prompt's KV is made *before* the prefill (never evicting the prefix donor), so
+        the cap holds while the new cache grows."""
         with self._lock:
             self._make_room_for_session()
             donor, reuse = self._best_prefix(owner, tokens)
@@ -145,16 +141,14 @@ class KVStore:
     def close(self, session_id: str, owner: str) -> None:
         """Close a session; its KV stays as a reusable prefix until memory is needed."""
         with self._lock:
-            s = self.get(session_id, owner)
-            s.closed = True
-            self._sessions.move_to_end(session_id, last=False)  # first to go when memory is needed
+            self.release(self.get(session_id, owner))
 
     def release(self, session: Session) -> None:
         """Close ``session`` if it is still stored (no error if it was evicted meanwhile)."""
         with self._lock:
             if self._sessions.get(session.id) is session:
                 session.closed = True
-                self._sessions.move_to_end(session.id, last=False)
+                self._sessions.move_to_end(session.id, last=False)  # first to go when memory is needed
 
     def drop(self, session_id: str) -> None:
         """Forget a session entirely (e.g. one created for a single OpenAI request)."""
@@ -199,7 +193,7 @@ class KVStore:
 
     def _evict_until(self, capacity: int, keep: str | None = None) -> bool:
         """Evict LRU sessions (closed ones first) until the KV bytes fit ``capacity``; True if any went."""
-        used = sum(s.nbytes for s in self._sessions.values())
+        used = self.used_bytes
         evicted = False
         while used > capacity:
             victim = self._victim(keep)
@@ -214,11 +208,8 @@ class KVStore:
         return evicted
 
     def _victim(self, keep: str | None = None) -> Session | None:
-        closed = [s for s in self._sessions.values() if s.closed and not s.busy and s.id != keep]
-        if closed:
-            return closed[0]
-        idle = [s for s in self._sessions.values() if not s.busy and s.id != keep]
-        return idle[0] if idle else None  # LRU order
+        idle = [s for s in self._sessions.values() if not s.busy and s.id != keep]  # LRU order
+        return next((s for s in idle if s.closed), idle[0] if idle else None)
 
     def _evict(self, s: Session) -> None:
         self._sessions.pop(s.id, None)
@@ -243,8 +234,7 @@ def rss_bytes() -> int | None:
 
 
 def _return_freed_memory() -> None:
-    """Give freed heap pages back to the OS after an eviction (glibc keeps them otherwise, and the
-    process's RSS would stay above the KV cap). A no-op where there is no ``malloc_trim``."""
+    """Give freed heap pages back to the OS (glibc's ``malloc_trim``; a no-op where there is none)."""
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is not None:
         trim(0)
@@ -252,8 +242,6 @@ def _return_freed_memory() -> None:
 
 def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
     n = 0
-    for x, y in zip(a[:limit], b[:limit], strict=False):
-        if x != y:
-            break
+    while n < min(limit, len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n

@@ -18,7 +18,8 @@ import uvicorn
 
 from agentspec.models import LoadedModel
 from agentspec.verifier_server.app import create_app
-from agentspec.verifier_server.engine import ServerConfig, VerifierEngine
+from agentspec.verifier_server.config import ServerConfig
+from agentspec.verifier_server.engine import VerifierEngine
 from agentspec.verifier_server.metrics import Metrics
 
 

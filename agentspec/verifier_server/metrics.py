@@ -13,30 +13,27 @@ class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        r, lbl = self.registry, ["model_name", "mode"]
+        r, lbl, one = self.registry, ["model_name", "mode"], ["model_name"]
         self.num_drafts = Counter("agentspec:spec_decode_num_drafts", "Rounds that carried a draft", lbl, registry=r)
         self.num_draft_tokens = Counter("agentspec:spec_decode_num_draft_tokens", "Draft tokens verified", lbl,
                                         registry=r)
         self.num_accepted = Counter("agentspec:spec_decode_num_accepted_tokens", "Draft tokens accepted", lbl,
                                     registry=r)
         self.accepted_per_pos = Counter("agentspec:spec_decode_num_accepted_tokens_per_pos",
-                                        "Rounds whose draft was accepted at this position",
-                                        ["model_name", "mode", "position"], registry=r)
+                                        "Rounds whose draft was accepted at this position", [*lbl, "position"],
+                                        registry=r)
         self.generation_tokens = Counter("agentspec:generation_tokens", "Tokens committed", lbl, registry=r)
-        self.prompt_tokens_total = Counter("agentspec:prompt_tokens", "Prompt tokens prefilled", ["model_name"],
-                                           registry=r)
+        self.prompt_tokens_total = Counter("agentspec:prompt_tokens", "Prompt tokens prefilled", one, registry=r)
         self.prefix_reused_tokens = Counter("agentspec:prefix_cache_hit_tokens", "Prompt tokens reused from cache",
-                                            ["model_name"], registry=r)
-        self.requests_running = Gauge("agentspec:num_requests_running", "Rounds in the current pass",
-                                      ["model_name"], registry=r)
-        self.requests_waiting = Gauge("agentspec:num_requests_waiting", "Rounds queued", ["model_name"], registry=r)
-        self.sessions = Gauge("agentspec:num_sessions", "Open sessions", ["model_name"], registry=r)
-        self.kv_usage = Gauge("agentspec:kv_cache_usage_perc", "KV-cache bytes / --kv-cache-memory",
-                              ["model_name"], registry=r)
+                                            one, registry=r)
+        self.requests_running = Gauge("agentspec:num_requests_running", "Rounds in the current pass", one, registry=r)
+        self.requests_waiting = Gauge("agentspec:num_requests_waiting", "Rounds queued", one, registry=r)
+        self.sessions = Gauge("agentspec:num_sessions", "Open sessions", one, registry=r)
+        self.kv_usage = Gauge("agentspec:kv_cache_usage_perc", "KV-cache bytes / --kv-cache-memory", one, registry=r)
         self.round_latency = Histogram("agentspec:round_verify_seconds", "Forward+verify time of a round", lbl,
                                        registry=r, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
         self.request_latency = Histogram("agentspec:e2e_request_latency_seconds", "Request latency",
-                                         ["model_name", "endpoint"], registry=r,
+                                         [*one, "endpoint"], registry=r,
                                          buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
 
     def round(self, drafted: int, accepted: int, emitted: int, verify_s: float, mode: str) -> None:

@@ -17,7 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentspec.protocol import Generate, OpenSession, Sampling
-from agentspec.toolcalls import IncrementalDecoder, ToolCallParser, normalise_tools
+from agentspec.text import IncrementalDecoder, StopStrings
+from agentspec.toolcalls import ToolCallParser, add_instruction, normalise_tools, tool_choice_instruction
 from agentspec.verifier_server.engine import VerifierEngine
 
 
@@ -100,12 +101,8 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
                                  ) -> AsyncIterator[dict[str, Any]]:
     """Yield OpenAI ``chat.completion.chunk`` dicts; the last one carries usage."""
     tools = normalise_tools(req.tools) if req.tool_choice != "none" else None
-    messages = req.messages
-    if isinstance(req.tool_choice, dict):
-        name = req.tool_choice["function"]["name"]
-        messages = [*messages[:-1], _nudge(messages[-1], f"Call the function {name}.")]
-    elif req.tool_choice == "required":
-        messages = [*messages[:-1], _nudge(messages[-1], "Answer with a function call.")]
+    hint = tool_choice_instruction(req.tool_choice)
+    messages = add_instruction(req.messages, hint) if hint else req.messages
     structured = req.response_format if (req.response_format or {}).get("type") in ("json_object", "json_schema") \
         else None
     info = await engine.open_session(OpenSession(messages=messages, tools=tools, tool_choice=req.tool_choice,
@@ -121,7 +118,7 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
     gen = Generate(base_len=info.committed_len, mode=mode, max_new_tokens=max_new, sampling=sampling)
     decoder = IncrementalDecoder(engine.target.tokenizer)
     parser = ToolCallParser(tools_enabled=bool(tools))
-    stops, held = req.stops, ""
+    stops = StopStrings(req.stops)
     n_completion, finish, calls = 0, "stop", 0
     drafted = accepted = rounds = 0
 
@@ -138,15 +135,9 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
             accepted += reply.accepted
             ids = [t for t in reply.tokens if t not in session.stop_token_ids]
             n_completion += len(reply.tokens)
-            text = held + decoder.add(ids)
-            held = ""
-            if stops:
-                cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-                if cut >= 0:
-                    text, reply.finished, reply.finish_reason = text[:cut], True, "stop"
-                else:
-                    keep = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-                    text, held = (text[: len(text) - keep], text[len(text) - keep :]) if keep else (text, "")
+            text = stops.feed(decoder.add(ids))
+            if stops.stopped:
+                reply.finished, reply.finish_reason = True, "stop"
             for ev in parser.feed(text):
                 for c in _events_to_deltas(ev, calls):
                     calls += bool(ev.call)
@@ -154,7 +145,7 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
             if reply.finished:
                 finish = reply.finish_reason or "stop"
                 break
-        for ev in parser.feed(held) + parser.finish():
+        for ev in parser.feed(stops.flush()) + parser.finish():
             for c in _events_to_deltas(ev, calls):
                 calls += bool(ev.call)
                 yield chunk(c)
@@ -171,12 +162,6 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
     last["agentspec"] = {"mode": mode, "rounds": rounds, "drafted": drafted, "accepted": accepted,
                          "mean_accepted_length": n_completion / rounds if rounds else 0.0}
     yield last
-
-
-def _nudge(message: dict[str, Any], hint: str) -> dict[str, Any]:
-    if message.get("role") != "user" or not isinstance(message.get("content"), str):
-        return message
-    return {**message, "content": f"{message['content']}\n\n{hint}"}
 
 
 def _events_to_deltas(ev: Any, index: int) -> list[dict[str, Any]]:

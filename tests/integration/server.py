@@ -10,7 +10,7 @@ import httpx
 from agentspec.drafters.base import DraftContext, Drafter
 from agentspec.models import LoadedModel
 from agentspec.types import SamplingParams
-from agentspec.verifier_server.engine import ServerConfig
+from agentspec.verifier_server.config import ServerConfig
 from agentspec.verifier_server.local import LocalVerifier
 
 

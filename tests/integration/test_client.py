@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from agentspec.client import FinalEvent, SpecClient, TextEvent
-from agentspec.delay_proxy import DelayProxy
 from agentspec.drafters import ModelDrafter, NgramDrafter
-from agentspec.router import DraftLengthPolicy, ModePolicy
+from agentspec.router import DraftLengthPolicy, ModeConfig, ModePolicy
 from agentspec.transport import HTTPTransport, VerifierUnavailable
+from benchmarks.delay_proxy import DelayProxy
 from tests.helpers import EOS, plain_greedy
 from tests.integration.server import LoopbackServer, config
 
@@ -231,7 +231,7 @@ def test_typed_error_without_fallback(target):
 
 
 def test_mode_policy_hysteresis_and_probing():
-    policy = ModePolicy(has_drafter=True, probe_every=5)
+    policy = ModePolicy(ModeConfig(has_drafter=True, probe_every=5))
     costs = {"edge": 0.010, "server": 0.020, "server-ar": 0.030}
     seen = []
     for _ in range(3):
@@ -240,7 +240,7 @@ def test_mode_policy_hysteresis_and_probing():
     assert seen == ["edge", "server", "server-ar"]  # untried modes first
     picks = [policy.choose() for _ in range(10)]
     assert picks.count("edge") >= 8  # cheapest, with a periodic probe of the stalest mode
-    calm = ModePolicy(has_drafter=True, probe_every=10**6, ema=1.0)
+    calm = ModePolicy(ModeConfig(has_drafter=True, probe_every=10**6, ema=1.0))
     for m, cost in (("edge", 0.010), ("server", 0.020), ("server-ar", 0.030)):
         calm.choose()
         calm.observe_segment(m, cost)
@@ -253,7 +253,7 @@ def test_mode_policy_hysteresis_and_probing():
 
 def test_mode_policy_probes_back_off_while_they_lose():
     """A probe that finds its mode 3x worse doubles that mode's probe interval; a competitive one resets it."""
-    policy = ModePolicy(has_drafter=False, probe_every=4, ema=1.0)
+    policy = ModePolicy(ModeConfig(has_drafter=False, probe_every=4, ema=1.0))
     costs = {"server": 0.010, "server-ar": 0.030}
     probes = []
     for i in range(200):
@@ -265,9 +265,9 @@ def test_mode_policy_probes_back_off_while_they_lose():
     assert gaps[:4] == [8, 16, 32, 64] and len(probes) <= 7, probes
     costs["server-ar"] = 0.0101  # now competitive: the next probe resets the interval
     last = probes[-1]
-    for i in range(200, 200 + 2 * policy.max_probe_every):
+    for i in range(200, 200 + 2 * policy.config.max_probe_every):
         mode = policy.choose()
         policy.observe_segment(mode, costs[mode])
         if mode == "server-ar" and i > last:
             break
-    assert policy.probe_interval["server-ar"] == policy.probe_every
+    assert policy.probe_interval["server-ar"] == policy.config.probe_every

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from agentspec.delay_proxy import DelayProxy
+from benchmarks.delay_proxy import DelayProxy
 from tests.helpers import EOS, plain_greedy, tiny_model
 from tests.integration.server import LoopbackServer, config
 from tests.integration.test_openai_api import ANSWER, ASK, TOOLS, _memorise

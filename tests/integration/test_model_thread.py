@@ -18,7 +18,7 @@ import pytest
 from agentspec import models
 from agentspec.client import SpecClient
 from agentspec.drafters import NgramDrafter
-from agentspec.verifier_server.engine import ServerConfig
+from agentspec.verifier_server.config import ServerConfig
 from agentspec.verifier_server.local import LocalVerifier
 from tests.helpers import tiny_model
 

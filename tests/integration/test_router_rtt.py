@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from agentspec.client import SpecClient
-from agentspec.delay_proxy import DelayProxy
 from agentspec.drafters.base import DraftContext
 from agentspec.types import DraftProposal
+from benchmarks.delay_proxy import DelayProxy
 from tests.helpers import plain_greedy, tiny_model
 from tests.integration.server import LoopbackServer, config
 

@@ -8,7 +8,7 @@ import gc
 from agentspec import models
 from agentspec.client import SpecClient
 from agentspec.drafters.model import ModelDrafter
-from agentspec.engine import SpecEngine
+from agentspec.local import SpecEngine
 from agentspec.toolcalls import render_chat
 from agentspec.training.run import run_training
 from agentspec.types import SamplingParams

@@ -7,9 +7,11 @@ import torch
 
 from agentspec import models
 from agentspec.protocol import Sampling
-from agentspec.types import DraftProposal
-from agentspec.verifier_server.engine import ServerConfig, VerifierEngine, _Item
+from agentspec.types import DraftProposal, SparseDist
+from agentspec.verifier_server.config import ServerConfig
+from agentspec.verifier_server.engine import VerifierEngine
 from agentspec.verifier_server.kv_store import key_owner
+from agentspec.verifier_server.scheduler import RoundItem
 from agentspec.verify import tree_attention
 from tests.helpers import EOS, make_prompt, plain_greedy
 
@@ -42,7 +44,7 @@ def test_batched_rounds_equal_plain_greedy(target, batched):
         items = []
         for i in live:
             drafts = _drafts(refs[i] + [2] * 8, len(outs[i]))  # drafts may look past the end
-            items.append(_Item(sessions[i], drafts[(i + len(outs[i])) % 4], Sampling()))
+            items.append(RoundItem(sessions[i], drafts[(i + len(outs[i])) % 4], Sampling()))
         groups = [items] if batched else [[it] for it in items]
         for group in groups:
             for it, o in zip(group, engine.execute(group, [None] * len(group)), strict=True):
@@ -96,3 +98,48 @@ def test_freed_kv_goes_back_to_the_os_only_above_the_rss_soft_limit(target, over
         models.forward(target.model, session.tokens[(n - 1) * 4 : n * 4], session.cache, 1)
         store.update_size(session)
     assert (store.trims > 0) == over_limit
+
+
+class _Raises:
+    """A server-mode drafter that fails (as the grammar engine does on an odd tools schema)."""
+
+    name, drafts_forced = "raises", False
+
+    def propose(self, ctx, k):
+        raise ValueError("bad schema")
+
+    def reset(self):
+        pass
+
+
+@pytest.mark.parametrize("fault", ["draft", "verify"])
+def test_a_failed_round_fails_its_item_only_and_leaves_its_session_as_it_was(target, fault):
+    """One item's drafting or verification raising: that item gets the error, the other items of the same
+    batched pass are committed as if alone, and the failed session's KV cache is exactly as before, so its
+    next round gives plain greedy's tokens."""
+    engine = VerifierEngine(target, ServerConfig(max_batch_size=8))
+    owner = key_owner(None)
+    prompts = [make_prompt(s, 20 + 9 * s) for s in range(3)]
+    refs = [plain_greedy(target, p, 12) for p in prompts]
+    sessions = [engine._create_and_prefill(owner, p, 12, frozenset({EOS}))[0] for p in prompts]
+    bad = sessions[0]
+    cached, tokens = bad.num_cached, list(bad.tokens)
+    if fault == "draft":
+        item = RoundItem(bad, DraftProposal(), Sampling(), _Raises(), 2)
+    else:  # a sampled round whose nucleus keeps no token: sampling raises after the pass appended KV
+        draft = DraftProposal(tuple(refs[0][:3]), draft_probs=tuple(SparseDist.point(t) for t in refs[0][:3]))
+        item = RoundItem(bad, draft, Sampling(temperature=1.0, top_p=1e-300))
+    others = [RoundItem(s, DraftProposal(tuple(r[:2])), Sampling()) for s, r in zip(sessions[1:], refs[1:],
+                                                                                   strict=True)]
+    outcomes = engine.execute([item, *others], [None] * 3)
+    assert outcomes[0].error is not None and outcomes[0].reply is None
+    for o, r in zip(outcomes[1:], refs[1:], strict=True):
+        assert o.error is None and o.reply.tokens == r[:3]
+    assert bad.tokens == tokens and bad.num_cached == cached and models.cache_length(bad.cache) == cached
+    out: list[int] = []
+    while not bad.finished:
+        (o,) = engine.execute([RoundItem(bad, DraftProposal(tokens=tuple(refs[0][len(out):len(out) + 4])),
+                                         Sampling())], [None])
+        out.extend(o.reply.tokens)
+    assert out == refs[0]
+

@@ -15,7 +15,7 @@ import torch
 from agentspec import models
 from agentspec.drafters import ModelDrafter, NgramDrafter
 from agentspec.drafters.base import DraftContext
-from agentspec.engine import SpecEngine
+from agentspec.local import SpecEngine
 from agentspec.types import DraftProposal, SamplingParams
 from tests.helpers import make_prompt, plain_greedy
 

@@ -24,8 +24,9 @@ from pydantic import BaseModel
 
 from agentspec.adapters import ChatAgentSpec
 from agentspec.adapters.langchain_errors import ToolChoiceError, map_error
-from agentspec.adapters.langchain_io import ToolChoice, add_instruction, parse_tool_choice, to_chat_messages
+from agentspec.adapters.langchain_io import ToolChoice, parse_tool_choice, to_chat_messages
 from agentspec.client import ClientStats, FinalEvent, PreviewEvent, SegmentStats, TextEvent, ToolCallEvent
+from agentspec.toolcalls import add_instruction
 from agentspec.transport import VerifierError, VerifierUnavailable
 
 URL = "http://127.0.0.1:9"  # never contacted: construction does not connect

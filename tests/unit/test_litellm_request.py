@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from agentspec.adapters.litellm_request import UnsupportedRequest, parse_request
+from agentspec.toolcalls import tool_choice_instruction
 
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
          for n in ("get_weather", "calculator")]
@@ -29,10 +30,10 @@ def test_tool_choice():
     assert parse({"tools": TOOLS, "tool_choice": "none"}).tools is None
     assert parse({"tools": TOOLS, "tool_choice": "auto"}).tools == TOOLS
     req = parse({"tools": TOOLS, "tool_choice": "required"})
-    assert req.tools == TOOLS and req.messages[-1]["content"].endswith("Answer with a function call.")
+    assert req.tools == TOOLS and req.messages[0] == {"role": "system", "content": tool_choice_instruction("required")}
     named = parse({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "calculator"}}})
     assert [t["function"]["name"] for t in named.tools] == ["calculator"]
-    assert named.messages[-1]["content"].endswith("Call the function calculator.")
+    assert named.messages[0]["content"].endswith("a call to the function calculator.")
     with pytest.raises(UnsupportedRequest):
         parse({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
 

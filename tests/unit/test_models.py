@@ -141,7 +141,7 @@ def test_half_precision_linears_pack_as_an_fp32_upcast_where_the_cpu_lacks_kerne
 
 def test_speculation_on_a_packed_target_is_lossless():
     from agentspec.drafters import ModelDrafter, NgramDrafter
-    from agentspec.engine import SpecEngine
+    from agentspec.local import SpecEngine
     from agentspec.types import SamplingParams
 
     lm = tiny_model(seed=5, layers=3)

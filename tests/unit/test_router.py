@@ -8,7 +8,8 @@ import pytest
 
 from agentspec import router
 from agentspec.drafters import ModelDrafter, NgramDrafter
-from agentspec.engine import SpecEngine
+from agentspec.drafters.replay import replay_chain, shadow_replays
+from agentspec.local import SpecEngine
 from agentspec.types import SamplingParams
 from tests.helpers import make_prompt, plain_greedy
 from tests.unit.test_equivalence import ScriptedDrafter
@@ -97,26 +98,33 @@ def test_policy_picks_interior_optimum():
 def test_replay_chain_counts_rounds_as_the_engine_would():
     # prompt "1 2 3 4 1 2"; output "3 4 9 1 2 3": the n-gram drafter copies "3 4 1 2" after "1 2"
     tokens = [1, 2, 3, 4, 1, 2, 3, 4, 9, 1, 2, 3]
-    r = router.replay_chain(NgramDrafter(), tokens, 6, 6, gamma=4)
+    r = replay_chain(NgramDrafter(), tokens, 6, 6, gamma=4)
     # round 1: draft 3 4 1 2 → 3 4 accepted, 9 committed; round 2 after "9": no match → plain 1;
     # round 3 after "9 1": copies "2 3 4 9" → 2 3 accepted (end of output)
     assert (r.rounds, r.tokens) == (3, 6) and r.gammas[0] == 4 and r.accepted == 4
-    assert router.replay_chain(None, tokens, 6, 6, gamma=4).rounds == 6  # plain decoding: one token a round
-    seg = router.replay_chain(NgramDrafter(), tokens, 6, 6, gamma=4, segment=2)
+    assert replay_chain(None, tokens, 6, 6, gamma=4).rounds == 6  # plain decoding: one token a round
+    seg = replay_chain(NgramDrafter(), tokens, 6, 6, gamma=4, segment=2)
     assert seg.segments == 3 and max(seg.gammas) <= 1  # γ capped by the segment's tokens left
     with pytest.raises(ValueError):
-        router.replay_chain(NgramDrafter(), tokens, 7, 6, gamma=4)
+        replay_chain(NgramDrafter(), tokens, 7, 6, gamma=4)
 
 
 def _feed(policy: router.ModePolicy, mode: str, *, rtt: float, t_v: dict[int, float], text: list[int],
           prompt_len: int, rounds: int, wall_s: float, drafted: int = 0, kind: str | None = None) -> None:
-    """One finished segment as the client reports it."""
+    """One finished segment as the client reports it (the server's n-gram drafter is the shadow)."""
     for g, s in t_v.items():
         policy.server_costs.observe(g, s)
     policy.observe_open(rtt, 0.0)
     policy.observe_segment(mode, wall_s / (len(text) - prompt_len), tokens=len(text) - prompt_len, rounds=rounds,
                            drafted=drafted, kind=kind)
-    policy.observe_text(text, prompt_len, prompt_len, kind=kind)
+    shadows = {"server": NgramDrafter()} if "server" in policy.config.shadowed else {}
+    replays = shadow_replays(shadows, text, prompt_len, prompt_len, policy.config.gamma_max)
+    policy.observe_replays(replays, kind=kind)
+
+
+def _shadowed() -> router.ModePolicy:
+    """A policy without an edge drafter, judging server mode by its n-gram drafter's shadow replays."""
+    return router.ModePolicy(router.ModeConfig(has_drafter=False, shadowed={"server"}, segment_tokens=16))
 
 
 def test_mode_policy_judges_unrun_modes_by_shadow_replays_and_never_probes_them():
@@ -124,7 +132,7 @@ def test_mode_policy_judges_unrun_modes_by_shadow_replays_and_never_probes_them(
     the policy knows it from server-ar segments alone; nothing shadowed is ever probed."""
     t_v = {0: 0.050, 1: 0.055, 2: 0.058, 3: 0.060, 4: 0.062}
     text = list(range(1, 21)) + list(range(1, 17))  # the output repeats the prompt: every draft right
-    policy = router.ModePolicy(has_drafter=False, shadows={"server": NgramDrafter()}, segment_tokens=16)
+    policy = _shadowed()
     policy.t_ds = 0.0005
     for _ in range(3):
         _feed(policy, "server-ar", rtt=0.1, t_v=t_v, text=text, prompt_len=20, rounds=16, wall_s=0.9)
@@ -140,7 +148,7 @@ def test_mode_policy_judges_unrun_modes_by_shadow_replays_and_never_probes_them(
 def test_mode_policy_correction_absorbs_per_round_overhead():
     """A segment slower than its closed form (per-round JSON/HTTP work) scales that mode's prediction."""
     t_v = {0: 0.050}
-    policy = router.ModePolicy(has_drafter=False, segment_tokens=16)
+    policy = router.ModePolicy(router.ModeConfig(has_drafter=False, segment_tokens=16))
     text = list(range(1, 37))
     _feed(policy, "server-ar", rtt=0.0, t_v=t_v, text=text, prompt_len=20, rounds=16, wall_s=0.96)
     assert policy.correction["server-ar"] == pytest.approx(1.2)
@@ -153,7 +161,7 @@ def test_mode_policy_correction_is_against_the_closed_form_not_the_reported_serv
     of 331.2 ms is a correction of 1.2 — the server's work around its passes counts as overhead — and the
     prediction of the next segment carries it."""
     t_v = {g: 0.040 + 0.005 * g for g in range(5)}
-    policy = router.ModePolicy(has_drafter=False, shadows={"server": NgramDrafter()}, segment_tokens=16)
+    policy = _shadowed()
     policy.t_ds = 0.001
     text = list(range(1, 21)) + list(range(1, 17))  # every draft right: 4 rounds of 4 tokens
     _feed(policy, "server", rtt=0.020, t_v=t_v, text=text, prompt_len=20, rounds=4, drafted=16, wall_s=0.3312)
@@ -168,16 +176,11 @@ def test_draft_length_policy_keeps_acceptance_per_content_kind():
     0 in the other, where one pooled estimate would give both the same γ."""
     policy = router.DraftLengthPolicy(costs=router.CostCurve(prior={g: 1.0 + 0.25 * g for g in range(5)}))
     for _ in range(12):
-        policy.kind = "tool"
-        policy.observe(drafted=4, reached=4, accepted=4, verify_s=None)
-        policy.kind = "text"
-        policy.observe(drafted=4, reached=1, accepted=0, verify_s=None)
-    policy.kind = "tool"
-    assert policy.choose(4) == 4
-    policy.kind = "text"
-    assert policy.choose(4) == 0
-    policy.kind = "other"  # a kind never seen: the pooled estimate
-    assert policy.current_acceptance() is policy.acceptance
+        policy.observe(drafted=4, reached=4, accepted=4, verify_s=None, kind="tool")
+        policy.observe(drafted=4, reached=1, accepted=0, verify_s=None, kind="text")
+    assert policy.choose(4, kind="tool") == 4
+    assert policy.choose(4, kind="text") == 0
+    assert policy.current_acceptance("other") is policy.acceptance  # a kind never seen: the pooled estimate
 
 
 def test_mode_policy_chooses_per_content_kind():
@@ -185,7 +188,7 @@ def test_mode_policy_chooses_per_content_kind():
     prose: with the estimates kept per kind, the policy picks server mode for a segment that starts inside
     a tool call and plain decoding (server-ar) for one that starts in text."""
     t_v = {g: 0.050 + 0.010 * g for g in range(5)}
-    policy = router.ModePolicy(has_drafter=False, shadows={"server": NgramDrafter()}, segment_tokens=16)
+    policy = _shadowed()
     policy.t_ds = 0.0005
     prompt = list(range(1, 21))
     copied = prompt + list(range(1, 17))  # the tool call repeats the prompt: every draft right

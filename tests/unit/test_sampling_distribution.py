@@ -109,7 +109,7 @@ def test_engine_sampling_matches_target_model(target, wrong_drafter_model, kind)
     from agentspec.drafters.copy import CopyDrafter
     from agentspec.drafters.grammar import GrammarDrafter
     from agentspec.drafters.tree import TreeDrafter
-    from agentspec.engine import SpecEngine
+    from agentspec.local import SpecEngine
 
     params = SamplingParams(temperature=1.5, top_k=3, max_new_tokens=2)
     prompt = [5, 9, 13, 5, 9]

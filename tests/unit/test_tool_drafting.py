@@ -7,14 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentspec.drafters.base import DraftContext, make_drafter
+from agentspec.drafters import DraftContext, make_drafter
 from agentspec.drafters.copy import CopyDrafter, SuffixIndex
 from agentspec.drafters.grammar import GrammarDrafter
 from agentspec.drafters.tree import TreeDrafter, _paths, default_drafter
-from agentspec.engine import SpecEngine
+from agentspec.local import SpecEngine
 from agentspec.models import LoadedModel
 from agentspec.router import DraftLengthPolicy
-from agentspec.toolcalls import IncrementalDecoder, ToolCallParser
+from agentspec.text import IncrementalDecoder
+from agentspec.toolcalls import ToolCallParser
 from agentspec.types import DraftProposal, SamplingParams
 from tests.helpers import make_prompt, plain_greedy, tiny_model
 from tests.unit.test_toolcalls import text_and_calls

@@ -1,13 +1,14 @@
 """In-process speculative generation: target + drafter + both KV caches, greedy and sampled.
 
-This is the loop the verifier server's co-located mode runs. One round:
+The verifier's scheduler (:mod:`agentspec.verifier_server.scheduler`) runs the same round step for its
+sessions, batched; this loop runs one sequence in the caller's process. One round:
 
 1. the drafter proposes a chain or tree from the committed tokens (:class:`DraftContext`);
 2. the target runs ONE forward pass over the committed tokens it has not cached yet (the previous
    round's recovered/bonus token; the whole prompt in round one) followed by the draft nodes;
-3. :mod:`agentspec.verify` accepts a path and appends the target's own next token;
-4. the target cache keeps only the committed prefix plus the accepted path ("lengths are the truth");
-5. stop on a stop token, ``max_new_tokens`` or a stop string.
+3. :func:`agentspec.round_step.commit_round` accepts a path, appends the target's own next token, keeps
+   only the committed prefix plus the accepted path in the cache and stops at a stop token or the limit;
+4. a stop string in the decoded output ends generation too.
 
 With no drafter (or ``num_draft_tokens=0``) every round is a plain decoding step.
 """
@@ -22,10 +23,11 @@ from typing import Any
 import torch
 
 from agentspec import models
-from agentspec.drafters.base import DraftContext, Drafter, observed_acceptance, propose_round, remember_output
+from agentspec.drafters.base import DraftContext, Drafter, propose_round, remember_output
+from agentspec.round_step import commit_round, forward_round, observe_round
 from agentspec.router import DraftLengthPolicy
-from agentspec.types import DraftProposal, RoundStats, SamplingParams, SpecStats, VerifyResult
-from agentspec.verify import path_depth, sampling_probs, tree_attention, verify_greedy, verify_sampled
+from agentspec.text import stop_string_cut
+from agentspec.types import RoundStats, SamplingParams, SpecStats
 
 
 @dataclass
@@ -53,6 +55,7 @@ class _Sequence:
     tokens: list[int]  # committed: prompt + generated
     num_prompt_tokens: int
     cache: Any
+    stop_token_ids: frozenset[int]
     num_cached: int = 0  # target KV positions, always a prefix of tokens
     stats: SpecStats = field(default_factory=SpecStats)
 
@@ -129,13 +132,14 @@ class SpecEngine:
         params = params or SamplingParams()
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
-        k_max = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        if k_max < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {k_max}")
+        gamma_max = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        if gamma_max < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {gamma_max}")
         generator = None
         if not params.greedy:
             generator = torch.Generator().manual_seed(params.seed if params.seed is not None else torch.seed())
-        seq = _Sequence(list(prompt_ids), len(prompt_ids), models.new_cache(self.model), stats=stats or SpecStats())
+        seq = _Sequence(list(prompt_ids), len(prompt_ids), models.new_cache(self.model), self.stop_token_ids,
+                        stats=stats or SpecStats())
         if prefilled is not None:
             seq.cache, seq.num_cached = prefilled
             if not 0 <= seq.num_cached < len(prompt_ids) or models.cache_length(seq.cache) != seq.num_cached:
@@ -145,107 +149,43 @@ class SpecEngine:
         ctx = DraftContext(seq.tokens, seq.num_prompt_tokens, params, generator, [list(h) for h in history],
                            tools, tool_choice, response_format)
         try:
-            yield from self._rounds(seq, ctx, params, generator, k_max)
+            yield from self._rounds(seq, ctx, params, generator, gamma_max)
         finally:
             remember_output(self.drafter, ctx)
 
     def _rounds(self, seq: _Sequence, ctx: DraftContext, params: SamplingParams,
-                generator: torch.Generator | None, k_max: int) -> Iterator[RoundEvent]:
+                generator: torch.Generator | None, gamma_max: int) -> Iterator[RoundEvent]:
         while True:
             remaining = params.max_new_tokens - len(seq.generated)
-            k = min(k_max, remaining - 1) if self.drafter is not None else 0
-            policy = self.draft_policy if k > 0 else None
+            gamma = min(gamma_max, remaining - 1) if self.drafter is not None else 0
+            policy = self.draft_policy if gamma > 0 else None
             if policy is not None:
-                k = policy.choose(k)
-            elif k <= 0:
-                k = -1  # speculation off (or one token left): not even grammar-forced drafts
+                gamma = policy.choose(gamma)
+            elif gamma <= 0:
+                gamma = -1  # speculation off (or one token left): not even grammar-forced drafts
             decode_pass = seq.num_cached == len(seq.tokens) - 1  # not the prompt's prefill
-            new, round_stats, path_depth, proposal = self._round(seq, ctx, k, params, generator)
+            t0 = time.perf_counter()
+            proposal = propose_round(self.drafter, ctx, gamma)  # 1. draft
+            t1 = time.perf_counter()
+            logits, num_pending = forward_round(self.model, seq, proposal)  # 2. one target pass
+            before = len(seq.generated)
+            out = commit_round(seq, proposal, logits, num_pending, params, generator,  # 3. verify, commit
+                               cap=seq.num_prompt_tokens + params.max_new_tokens)
+            t2 = time.perf_counter()
+            new, finish = out.tokens, out.finish_reason
+            cut = None
+            if params.stop and finish != "stop":  # 4. a stop string in the decoded output
+                cut = stop_string_cut(self.target.tokenizer.decode, seq.generated, params.stop, before)
+            if cut is not None:
+                del seq.tokens[seq.num_prompt_tokens + cut :]
+                new, finish = new[: cut - before], "stop"
+            round_stats = RoundStats(drafted=len(proposal), accepted=out.num_accepted, emitted=len(new),
+                                     draft_s=t1 - t0, verify_s=t2 - t1,
+                                     tree_nodes=len(proposal) if proposal.is_tree else 0, source=proposal.source)
             if policy is not None:
-                free, reached, accepted = observed_acceptance(proposal, path_depth, round_stats.accepted)
-                policy.observe(free, reached, accepted, round_stats.verify_s if decode_pass else None,
-                               round_stats.draft_s, pass_tokens=len(proposal))
-            new, finish = self._check_stop(seq, new, params)
-            round_stats.emitted = len(new)  # after truncation at a stop: what the caller really gets
-            seq.stats.add(round_stats, path_depth)
+                observe_round(policy, proposal, out, round_stats.verify_s if decode_pass else None,
+                              round_stats.draft_s)
+            seq.stats.add(round_stats, out.path_depth)
             yield RoundEvent(new, round_stats, finish)
             if finish:
                 return
-
-    # -- one round ----------------------------------------------------------------------------------
-
-    def _round(
-        self, seq: _Sequence, ctx: DraftContext, k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[list[int], RoundStats, int, DraftProposal]:
-        t0 = time.perf_counter()
-        # 1. draft
-        proposal = propose_round(self.drafter, ctx, k)
-        t1 = time.perf_counter()
-        # 2. one target pass over uncached committed tokens + draft nodes
-        pending = seq.tokens[seq.num_cached :]
-        n = len(proposal)
-        mask = positions = None
-        parents = proposal.parent_list()
-        if proposal.is_tree:
-            mask, positions = tree_attention(parents, seq.num_cached, len(pending), self.target.dtype, self.model.device)
-        logits = models.forward(self.model, pending + list(proposal.tokens), seq.cache, n + 1, mask, positions)
-        # 3. accept a path, then the target's own next token
-        result = self._verify(logits, proposal, parents, params, generator)
-        t2 = time.perf_counter()
-        # 4. keep the committed prefix and the accepted path in the target cache
-        prefix = seq.num_cached + len(pending)
-        models.keep_cache_positions(seq.cache, prefix, [prefix + i for i in result.accepted_nodes])
-        seq.num_cached = prefix + result.num_accepted
-        new = list(result.output_tokens)
-        seq.tokens.extend(new)
-        stats = RoundStats(
-            drafted=n, accepted=result.num_accepted, emitted=len(new), draft_s=t1 - t0, verify_s=t2 - t1,
-            tree_nodes=n if proposal.is_tree else 0, source=proposal.source,
-        )
-        return new, stats, path_depth(parents, result), proposal
-
-    def _verify(
-        self,
-        logits: torch.Tensor,
-        proposal: DraftProposal,
-        parents: list[int],
-        params: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> VerifyResult:
-        if params.greedy:
-            return verify_greedy(logits, proposal.tokens, parents, self.stop_token_ids)
-        target_probs = sampling_probs(logits, params)  # [n + 1, vocab]
-        return verify_sampled(target_probs, proposal.tokens, proposal.draft_probs, parents, generator,
-                              self.stop_token_ids)
-
-    def _check_stop(self, seq: _Sequence, new: list[int], params: SamplingParams) -> tuple[list[int], str | None]:
-        """Truncate a round's tokens at a stop token, the length limit or a stop string."""
-        before = len(seq.generated) - len(new)
-        for i, tok in enumerate(new):
-            if tok in self.stop_token_ids:
-                return self._truncate(seq, new, i + 1), "stop"
-        if params.stop:
-            cut = self._stop_string_cut(seq.generated, params.stop, before)
-            if cut is not None:
-                return self._truncate(seq, new, cut - before), "stop"
-        if len(seq.generated) >= params.max_new_tokens:
-            return self._truncate(seq, new, params.max_new_tokens - before), "length"
-        return new, None
-
-    def _truncate(self, seq: _Sequence, new: list[int], keep: int) -> list[int]:
-        drop = len(new) - keep
-        if drop > 0:
-            del seq.tokens[-drop:]
-        return new[:keep]
-
-    def _stop_string_cut(self, generated: list[int], stops: tuple[str, ...], before: int) -> int | None:
-        """Smallest token count (> before) whose decoded text contains a stop string (kept, as HF does)."""
-        decode = self.target.tokenizer.decode
-        if not any(s in decode(generated) for s in stops):
-            return None
-        for count in range(before + 1, len(generated) + 1):
-            text = decode(generated[:count])
-            if any(s in text for s in stops):
-                return count
-        return None
-

@@ -1,0 +1,120 @@
+"""One request's state, independent of sync/async I/O: what is committed and what it means.
+
+:class:`Run` holds the committed tokens, session id, tool-call parser, stop-string hold-back and finish
+reason; it builds the wire requests and applies each ``RoundReply``, returning the events made final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from agentspec.client.events import ClientStats, FinalEvent, TextEvent, ToolCallEvent
+from agentspec.drafters.base import Drafter
+from agentspec.protocol import Draft, Generate, OpenSession, RoundReply, Sampling, SessionInfo, VerifyRound
+from agentspec.toolcalls import ToolCallParser
+from agentspec.types import DraftProposal, SamplingParams
+
+
+class Run:
+    """The state of one request; ``drafter`` is its local drafter (None: no edge rounds)."""
+
+    def __init__(self, messages: list[dict], tools: list[dict] | None, max_tokens: int, sampling: SamplingParams,
+                 stop: Sequence[str], mode: str, drafter: Drafter | None, tool_choice: Any = None,
+                 response_format: dict[str, Any] | None = None, model: str | None = None) -> None:
+        self.messages, self.tools, self.model, self.drafter = messages, tools, model, drafter
+        self.tool_choice, self.response_format = tool_choice, response_format
+        self.max_tokens, self.sampling, self.stop, self.mode = max_tokens, sampling, list(stop), mode
+        self.wire_sampling = Sampling.from_params(sampling)
+        self.prompt: list[int] = []
+        self.tokens: list[int] = []  # prompt + generated, as committed
+        self.sid: str | None = None
+        self.text, self.held = "", ""
+        self.parser = ToolCallParser(tools_enabled=bool(tools))
+        self.calls: list[ToolCallEvent] = []
+        self.finish: str | None = None
+        self.stats = ClientStats()
+        self.verifier = 0  # index into client.transports
+        # pipelined edge drafting: (the tokens it assumed committed, the draft after them)
+        self.ahead: tuple[tuple[int, ...], DraftProposal] | None = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def kind(self) -> str:
+        """``"tool"`` inside a tool call's (or JSON answer's) JSON, else ``"text"`` (router estimates)."""
+        structured = isinstance(self.response_format, dict) and self.response_format.get("type") != "text"
+        return "tool" if structured or self.parser.in_structure else "text"
+
+    def open_request(self) -> dict[str, Any]:
+        """The session to open: the chat messages at first, else the committed prefix (and tools again)."""
+        first = self.sid is None and not self.prompt
+        source: dict[str, Any] = {"messages": self.messages} if first else {"prompt_ids": self.tokens}
+        return OpenSession(**source, tools=self.tools, max_new_tokens=self.max_tokens - self.generated,
+                           tool_choice=self.tool_choice, response_format=self.response_format,
+                           model=self.model).to_wire()
+
+    def opened(self, info: SessionInfo) -> None:
+        if not self.prompt:
+            self.prompt = list(info.prompt_ids)
+            self.tokens = list(self.prompt)
+        self.sid = info.session_id
+
+    def round_request(self, proposal: DraftProposal) -> dict[str, Any]:
+        """An edge round verifying ``proposal`` after the committed tokens."""
+        return VerifyRound(base_len=len(self.tokens), draft=Draft.from_proposal(proposal),
+                           sampling=self.wire_sampling).to_wire()
+
+    def generate_request(self, mode: str, max_new_tokens: int, drafter: str) -> dict[str, Any]:
+        """A server-side segment (``server`` drafting with ``drafter``, or ``server-ar``)."""
+        return Generate(base_len=len(self.tokens), mode=mode, sampling=self.wire_sampling,
+                        max_new_tokens=max_new_tokens, drafter=drafter if mode == "server" else "default").to_wire()
+
+    def apply(self, reply: RoundReply) -> list[Any]:
+        """Commit a round's tokens; return the events they make final."""
+        self.tokens.extend(reply.tokens)
+        events = self.feed_text(reply.text)
+        if reply.session_finished or (reply.finished and reply.finish_reason == "stop"):
+            self.finish = reply.finish_reason or "stop"
+        return events
+
+    def feed_text(self, text: str) -> list[Any]:
+        text = self.held + text
+        self.held = ""
+        if self.stop:
+            cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, self.finish = text[:cut], "stop"
+            else:
+                keep = max((n for s in self.stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+                if keep:
+                    text, self.held = text[:-keep], text[-keep:]
+        return self._parse(self.parser.feed(text))
+
+    def close_events(self) -> list[Any]:
+        events = self._parse(self.parser.feed(self.held) + self.parser.finish())
+        self.held = ""
+        return events
+
+    def add_call(self, call_id: str, name: str, arguments: str) -> ToolCallEvent:
+        call = ToolCallEvent(len(self.calls), call_id, name, arguments)
+        self.calls.append(call)
+        return call
+
+    def _parse(self, parsed: list[Any]) -> list[Any]:
+        out: list[Any] = []
+        for ev in parsed:
+            if ev.call is not None:
+                out.append(self.add_call(ev.call.id, ev.call.name, ev.call.arguments))
+            elif ev.text:
+                self.text += ev.text
+                out.append(TextEvent(ev.text))
+        return out
+
+    def final(self) -> FinalEvent:
+        finish = "tool_calls" if self.calls and self.finish == "stop" else self.finish or "length"
+        usage = {"prompt_tokens": len(self.prompt), "completion_tokens": self.generated,
+                 "total_tokens": len(self.tokens)}
+        return FinalEvent(self.text, self.tokens[len(self.prompt) :], list(self.calls), finish, usage, self.stats)

@@ -1,0 +1,284 @@
+"""SpecClient: one chat call as one loop of segments, each in the mode the router picks.
+
+Per segment (:meth:`SpecClient._steps`, one generator for sync and async) the router picks the mode and
+then learns its costs. A failing verifier hands the committed tokens to the next one, then to the fallback
+model: nothing is lost or repeated. The steps only *ask* for I/O (:mod:`agentspec.client.ops`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from contextlib import aclosing
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+from agentspec.client.api import api_segment
+from agentspec.client.edge import EdgeDrafting
+from agentspec.client.events import FinalEvent, PreviewEvent, SegmentStats, TextEvent, ToolCallEvent
+from agentspec.client.ops import Call, Pools, Steps, WhileDrafting, adrive, drive
+from agentspec.client.run import Run
+from agentspec.drafters.base import DraftContext, Drafter, remember_output
+from agentspec.drafters.copy import SuffixIndex
+from agentspec.drafters.ngram import NgramDrafter
+from agentspec.drafters.replay import shadow_replays
+from agentspec.drafters.tree import default_drafter
+from agentspec.protocol import SERVER_DRAFTERS, RoundReply, SessionInfo
+from agentspec.router import ModeConfig, ModePolicy
+from agentspec.transport import HTTPTransport, ResendPrefix, Timed, VerifierError, VerifierUnavailable
+from agentspec.types import SamplingParams
+
+MODES = ("auto", "edge", "server", "server-ar", "api")
+Event = TextEvent | PreviewEvent | ToolCallEvent | FinalEvent
+
+
+class SpecClient:
+    """Chat completions against agentspec-verifier(s), with local drafting, routing and fallback.
+
+    ``base_urls``: verifiers serving the same target (the next takes over when one fails). ``drafter``: a
+    local drafter sharing the target's tokenizer (enables edge mode). ``fallback_model``: a litellm model
+    id for when no verifier is reachable. ``log_path``: opt-in chat JSONL log for ``agentspec train``.
+    ``server_drafter``: the verifier's server-mode drafter. ``pipeline``: in edge mode, draft the next
+    round while this one is in flight (``None``: while drafting takes ``PIPELINE_MIN_DRAFT_S`` or more).
+    ``policy``: a router to share; its config gets this client's γ, segment length and shadowed modes.
+    """
+
+    def __init__(self, base_urls: str | Sequence[str] | None = None, *, api_key: str | None = None,
+                 drafter: Drafter | None = None, tokenizer: Any = None, num_draft_tokens: int = 4,
+                 mode: str = "auto", fallback_model: str | None = None, timeout: float = 60.0, retries: int = 2,
+                 segment_tokens: int = 16, preview: bool = False, policy: ModePolicy | None = None,
+                 api_kwargs: dict[str, Any] | None = None, log_path: str | os.PathLike | None = None,
+                 server_drafter: str = "default", pipeline: bool | None = None) -> None:
+        _check_mode(mode, drafter)
+        if server_drafter not in SERVER_DRAFTERS:
+            raise ValueError(f"server_drafter must be one of {SERVER_DRAFTERS}, got {server_drafter!r}")
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        if segment_tokens < 1:
+            raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls or [])
+        if not urls and fallback_model is None:
+            raise ValueError("give at least one verifier base URL or a fallback_model")
+        api_key = api_key if api_key is not None else os.environ.get("AGENTSPEC_API_KEY")
+        self.transports = [HTTPTransport(u, api_key=api_key, timeout=timeout, retries=retries) for u in urls]
+        self.drafter, self.tokenizer, self.num_draft_tokens = drafter, tokenizer, num_draft_tokens
+        self.mode, self.fallback_model, self.segment_tokens = mode, fallback_model, segment_tokens
+        self.server_drafter, self.timeout = server_drafter, timeout
+        self.api_kwargs = dict(api_kwargs or {})  # extra litellm arguments (api_base, mock_response in tests, ...)
+        self.log_path = log_path  # opt-in: one JSON line per finished request, for `agentspec train --data`
+        # tool-calling requests draft with grammar + copy + the given drafter, merged into one tree
+        self.tool_drafter: Drafter | None = None
+        if drafter is not None and tokenizer is not None and not getattr(drafter, "merges_sources", False):
+            self.tool_drafter = default_drafter(tokenizer, model=drafter, index=SuffixIndex())
+        # the chain drafters the router judges modes by, replayed over committed text: the edge drafter's
+        # shadow (when there is no tool drafter) and what the verifier builds for server_drafter="ngram"
+        shadow = getattr(drafter, "shadow", None)
+        edge = shadow() if shadow is not None and self.tool_drafter is None else None
+        self._shadows: dict[str, Drafter] = {} if edge is None else {"edge": edge}
+        if server_drafter == "ngram":
+            self._shadows["server"] = NgramDrafter()
+        if policy is None:  # a shared policy gets this client's settings in its config
+            policy = ModePolicy(ModeConfig(has_drafter=drafter is not None,
+                                           has_api=fallback_model is not None))
+        policy.config = replace(policy.config, gamma_max=num_draft_tokens, segment_tokens=segment_tokens,
+                                shadowed=policy.config.shadowed | set(self._shadows))
+        self.policy = policy
+        self._edge = EdgeDrafting(num_draft_tokens, pipeline, tokenizer, preview)
+        self._pools = Pools()  # sync pipelining's POST thread, async drafting's thread
+
+    def stream(self, messages: list[dict], tools: list[dict] | None = None, *, max_tokens: int = 256,
+               sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None,
+               tool_choice: str | dict[str, Any] | None = None, response_format: dict[str, Any] | None = None,
+               model: str | None = None) -> Iterator[Event]:
+        """Yield verified events for one chat turn; the last event is a :class:`FinalEvent`."""
+        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode, tool_choice, response_format, model)
+        yield from drive(self._steps(run), self._pools, partial(self._close_session, run))
+        yield self._logged(run, run.final())
+
+    def generate(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> FinalEvent:
+        """Run :meth:`stream` to the end and return its final event."""
+        *_, final = self.stream(messages, tools, **kwargs)
+        assert isinstance(final, FinalEvent)
+        return final
+
+    async def astream(self, messages: list[dict], tools: list[dict] | None = None, *, max_tokens: int = 256,
+                      sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None,
+                      tool_choice: str | dict[str, Any] | None = None, response_format: dict[str, Any] | None = None,
+                      model: str | None = None) -> AsyncIterator[Event]:
+        """The async twin of :meth:`stream` (native httpx.AsyncClient; never blocks the event loop on I/O)."""
+        run = self._new_run(messages, tools, max_tokens, sampling, stop, mode, tool_choice, response_format, model)
+        async with aclosing(adrive(self._steps(run), self._pools, partial(self._close_session, run))) as events:
+            async for ev in events:
+                yield ev
+        yield self._logged(run, run.final())
+
+    async def agenerate(self, messages: list[dict], tools: list[dict] | None = None, **kwargs: Any) -> FinalEvent:
+        """Run :meth:`astream` to the end and return its final event."""
+        final = None
+        async for ev in self.astream(messages, tools, **kwargs):
+            final = ev
+        assert isinstance(final, FinalEvent)
+        return final
+
+    def close(self) -> None:
+        for t in self.transports:
+            t.close()
+        for pool in self._pools.values():
+            pool.shutdown(wait=False)
+
+    def _steps(self, run: Run) -> Steps:
+        """Segments in the modes picked for them until the request is finished; then the parser's rest."""
+        while run.finish is None and run.generated < run.max_tokens:
+            mode = run.mode if run.mode != "auto" else self.policy.choose(kind=run.kind)
+            try:
+                if mode == "api":
+                    yield from api_segment(run, self.fallback_model, self.timeout, self.api_kwargs)
+                elif mode == "edge":
+                    yield from self._edge_segment(run)
+                else:
+                    yield from self._server_segment(run, mode)
+            except (VerifierUnavailable, ResendPrefix) as e:
+                self._failover(run, e)
+        yield from run.close_events()
+
+    def _session(self, run: Run) -> Generator[Any, Any, HTTPTransport]:
+        """The verifier of ``run``, with a session open on it (opened now when there is none)."""
+        t = self.transports[run.verifier]
+        if run.sid is None:
+            reply = yield Call(t.post, t.apost, ("/v1/spec/sessions", run.open_request()))
+            info = SessionInfo.model_validate(reply.body)
+            run.opened(info)
+            self.policy.observe_open(reply.wall_s, info.prefill_ms / 1e3)
+        return t
+
+    def _edge_segment(self, run: Run) -> Steps:
+        t = yield from self._session(run)
+        seg, t0, edge = self._segment(run, "edge"), time.perf_counter(), self._edge
+        try:
+            while run.finish is None and seg.tokens < self.segment_tokens:
+                body, draft_s, preview, prop = yield Call(edge.round, None, (run, seg, self.policy))
+                if preview:
+                    yield PreviewEvent(preview)
+                post = Call(t.post, t.apost, (f"/v1/spec/sessions/{run.sid}/rounds", body))
+                if edge.pipelines(run, prop):
+                    r, ahead_s = yield WhileDrafting(post, Call(edge.draft_ahead, None, (run, seg, prop)))
+                    draft_s += max(ahead_s - r.wall_s, 0.0)  # the reply waited for the draft ahead
+                else:
+                    r = yield post
+                yield from self._commit(run, seg, r, draft_s)
+        finally:  # a segment cut short by a failing verifier still reports the tokens it committed
+            self._segment_done(run, seg, t0)
+
+    def _server_segment(self, run: Run, mode: str) -> Steps:
+        t = yield from self._session(run)
+        seg, t0 = self._segment(run, mode), time.perf_counter()
+        body = run.generate_request(mode, min(self.segment_tokens, run.max_tokens - run.generated),
+                                    self.server_drafter)
+        try:
+            lines = yield Call(t.stream_lines, t.astream_lines, (f"/v1/spec/sessions/{run.sid}/generate", body))
+            while run.finish is None and (r := (yield Call(next, anext, (lines, None)))) is not None:
+                yield from self._commit(run, seg, r, 0.0)
+        finally:
+            self._segment_done(run, seg, t0)
+
+    def _segment(self, run: Run, mode: str) -> SegmentStats:
+        return SegmentStats(mode, 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions), run.kind)
+
+    def _commit(self, run: Run, seg: SegmentStats, timed: Timed, draft_s: float) -> list[Any]:
+        """Count a round's reply, tell the router, commit its tokens; return the events they make final."""
+        reply = RoundReply.model_validate(timed.body)
+        server_s = (reply.timings.verify_ms + reply.timings.draft_ms) / 1e3
+        seg.rounds += 1
+        seg.tokens += len(reply.tokens)
+        seg.drafted += reply.drafted
+        seg.accepted += reply.accepted
+        seg.server_s += server_s
+        seg.draft_s += draft_s
+        self.policy.observe_round(seg.mode, reply.drafted, reply.accepted, len(reply.tokens), wall_s=timed.wall_s,
+                                  server_s=server_s, verify_s=reply.timings.verify_ms / 1e3, draft_s=draft_s,
+                                  waiting=reply.load.waiting, kind=run.kind)
+        return run.apply(reply)
+
+    def _segment_done(self, run: Run, seg: SegmentStats, t0: float) -> None:
+        seg.wall_s = time.perf_counter() - t0
+        if not seg.tokens and not seg.rounds:
+            return  # failed before committing anything: nothing to report or learn from
+        run.stats.segments.append(seg)
+        if seg.tokens:
+            self.policy.observe_segment(seg.mode, seg.wall_s / seg.tokens, tokens=seg.tokens, rounds=seg.rounds,
+                                        drafted=seg.drafted, draft_s=seg.draft_s, kind=seg.kind)
+            if run.mode == "auto":  # judge the shadowed modes on the text just committed
+                config = self.policy.config
+                shadows = {m: d for m, d in self._shadows.items() if m in config.shadowed}
+                replays = shadow_replays(shadows, run.tokens, len(run.prompt), len(run.tokens) - seg.tokens,
+                                         config.gamma_max)
+                self.policy.observe_replays(replays, kind=seg.kind)
+
+    def _failover(self, run: Run, error: VerifierError) -> None:
+        """Continue elsewhere with the committed tokens: another verifier, then the fallback API model."""
+        run.stats.fallbacks.append(f"{type(error).__name__} on verifier {run.verifier}: {error}")
+        run.sid = None
+        if isinstance(error, ResendPrefix) and len(run.stats.fallbacks) <= 3:
+            return  # same verifier, new session with the full prefix
+        if run.verifier + 1 < len(self.transports):
+            run.verifier += 1
+            return
+        if self.fallback_model is not None:
+            run.mode = "api"
+            return
+        raise VerifierUnavailable(f"no verifier left and no fallback_model: {error}", status=error.status,
+                                  code=error.code) from error
+
+    def _close_session(self, run: Run) -> Call | None:
+        """The call that closes ``run``'s session, if it has one (the server frees its KV now)."""
+        if run.sid is None or not self.transports:
+            return None
+        t, path, run.sid = self.transports[run.verifier], f"/v1/spec/sessions/{run.sid}", None
+        return Call(t.delete, t.adelete, (path,))
+
+    def _new_run(self, messages: list[dict], tools: list[dict] | None, max_tokens: int,
+                 sampling: SamplingParams | None, stop: Sequence[str], mode: str | None,
+                 tool_choice: Any = None, response_format: dict[str, Any] | None = None,
+                 model: str | None = None) -> Run:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        mode = mode or self.mode
+        _check_mode(mode, self.drafter)
+        if isinstance(stop, str):
+            stop = [stop]
+        # the tool drafter (grammar + copy + model tree) when the request asks for structure
+        structured = bool(tools) or isinstance(response_format, dict)
+        drafter = self.tool_drafter if structured and self.tool_drafter else self.drafter
+        run = Run(list(messages), tools, max_tokens, sampling or SamplingParams(), stop, mode, drafter, tool_choice,
+                  response_format, model)
+        if not self.transports:
+            run.mode = "api"
+        return run
+
+    def _logged(self, run: Run, final: FinalEvent) -> FinalEvent:
+        """Log the request and its answer to ``log_path`` (when set); remember the answer for copy drafting."""
+        if run.prompt and self.tool_drafter is not None:
+            remember_output(self.tool_drafter, DraftContext(run.tokens, len(run.prompt)))
+        if self.log_path is not None:
+            answer: dict[str, Any] = {"role": "assistant", "content": final.text}
+            if final.tool_calls:
+                answer["tool_calls"] = [{"id": c.id, "type": "function",
+                                         "function": {"name": c.name, "arguments": c.arguments}}
+                                        for c in final.tool_calls]
+            line = {"messages": [*run.messages, answer], "tools": run.tools or [],
+                    "finish_reason": final.finish_reason, "time": time.time()}
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(line, ensure_ascii=False, default=str) + "\n")
+        return final
+
+
+def _check_mode(mode: str, drafter: Drafter | None) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "edge" and drafter is None:
+        raise ValueError("edge mode needs a local drafter")

@@ -1,0 +1,66 @@
+"""Chain drafters replayed over known output: the router's shadow acceptance.
+
+Under greedy decoding a chain drafter's real run takes exactly the replayed path, so the replay's numbers
+(:class:`~agentspec.router.estimators.ChainReplay`) are what running it would have cost; the client hands
+them to :meth:`agentspec.router.ModePolicy.observe_replays`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+from agentspec.drafters.base import DraftContext, Drafter
+from agentspec.router.estimators import ChainReplay
+
+
+def replay_chain(drafter: Drafter | None, tokens: Sequence[int], prompt_len: int, start: int, gamma: int, *,
+                 segment: int | None = None, max_new: int | None = None) -> ChainReplay:
+    """Replay generating ``tokens[start:]`` after ``tokens[:start]`` with ``drafter`` (None: plain steps).
+
+    Each round drafts ``γ_r = min(γ, max_new − done − 1, segment_left − 1)`` tokens (``max_new``/``segment``
+    when given, as the client and server cap them), accepts the longest matching prefix and commits it
+    plus one token; a segment ends its last round at its boundary, as server mode does."""
+    if not 0 <= prompt_len <= start <= len(tokens):
+        raise ValueError(f"need 0 <= prompt_len ({prompt_len}) <= start ({start}) <= len(tokens) ({len(tokens)})")
+    out, done, total = ChainReplay(), 0, len(tokens) - start
+    left = segment
+    while done < total:
+        caps = [gamma] + ([max_new - done - 1] if max_new else []) + ([left - 1] if segment else [])
+        gamma_r = max(min(caps), 0)
+        draft: tuple[int, ...] = ()
+        if drafter is not None and gamma_r:
+            t0 = time.perf_counter()
+            proposal = drafter.propose(DraftContext(list(tokens[:start + done]), prompt_len), gamma_r)
+            out.draft_s += time.perf_counter() - t0
+            if proposal.is_tree:
+                raise ValueError("replay_chain needs a chain drafter (it proposed a tree)")
+            draft = tuple(proposal.tokens)
+        accepted = 0
+        right = tokens[start + done :]  # what the target emits from here
+        while accepted < min(len(draft), total - done) and draft[accepted] == right[accepted]:
+            accepted += 1
+        emitted = min(accepted + 1, total - done, left if segment else total)
+        done += emitted
+        out.rounds += 1
+        out.drafted += len(draft)
+        out.accepted += min(accepted, emitted)
+        out.gammas.append(len(draft))
+        if segment:
+            left -= emitted
+            if left == 0 or done == total:
+                out.segments, left = out.segments + 1, segment
+    out.tokens = total
+    return out
+
+
+def shadow_replays(shadows: Mapping[str, Drafter], tokens: Sequence[int], prompt_len: int, start: int,
+                   gamma: int) -> dict[str, ChainReplay]:
+    """Each shadow drafter (mode → drafter) replayed over a segment's tokens ``tokens[start:]``: edge
+    rounds capped by γ only, server rounds also by the segment's tokens left. Nothing for fewer than two
+    tokens (a segment that short says nothing about acceptance)."""
+    if len(tokens) - start < 2:
+        return {}
+    return {mode: replay_chain(drafter, tokens, prompt_len, start, gamma,
+                               segment=None if mode == "edge" else len(tokens) - start)
+            for mode, drafter in shadows.items()}

@@ -1,0 +1,265 @@
+"""KV caches and forward passes over them, in the installed transformers' terms:
+
+1. the cache operations speculation needs (``DynamicCache.crop`` takes a negative count in 5.x);
+2. :func:`forward` over one sequence, and what such passes measure (verify cost, the equivalence probes);
+3. :func:`forward_batch`: several sequences packed into one pass, each against its own cache. It swaps
+   ``config._attn_implementation`` for the pass and registers its attention with transformers lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from agentspec.equivalence import first_divergence, judge_divergence
+from agentspec.models.loading import LoadedModel
+
+__all__ = ["cache_length", "cache_nbytes", "check_divergence", "copy_cache_prefix", "crop_cache", "forward",
+           "forward_batch", "keep_cache_positions", "logit_path_noise", "logits_at", "measure_verify_cost",
+           "new_cache"]
+
+
+def new_cache(model: Any) -> Any:
+    """An empty cache that can be cropped and re-indexed."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def cache_length(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions (rollback after a rejection)."""
+    current = cache_length(cache)
+    if length < current:
+        cache.crop(length - current)  # transformers 5: a negative count of positions to drop
+
+
+def _filled_layers(cache: Any) -> list[tuple[int, Any]]:
+    """``(index, layer)`` of each cache layer that holds keys (layers are filled lazily)."""
+    return [(i, layer) for i, layer in enumerate(getattr(cache, "layers", ()))
+            if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0]
+
+
+def keep_cache_positions(cache: Any, keep_prefix: int, extra: list[int]) -> None:
+    """Keep positions ``[0, keep_prefix)`` plus the absolute positions ``extra`` (a tree's accepted path)."""
+    if extra == list(range(keep_prefix, keep_prefix + len(extra))):
+        crop_cache(cache, keep_prefix + len(extra))
+        return
+    for _, layer in _filled_layers(cache):
+        index = torch.tensor(list(range(keep_prefix)) + extra, device=layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, index)
+        layer.values = layer.values.index_select(-2, index)
+
+
+def cache_nbytes(cache: Any) -> int:
+    """Bytes held by a cache's key and value tensors."""
+    return sum(t.numel() * t.element_size()
+               for _, layer in _filled_layers(cache) for t in (layer.keys, layer.values))
+
+
+def copy_cache_prefix(model: Any, cache: Any, length: int) -> Any:
+    """A new cache holding copies of the first ``length`` positions of ``cache``."""
+    out = new_cache(model)
+    if length <= 0:
+        return out
+    for idx, layer in _filled_layers(cache):
+        out.update(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone(), idx)
+    return out
+
+
+@functools.cache
+def cache_kwarg(cls: type) -> str:
+    """transformers renamed the forward's ``past_key_values`` to ``cache`` in 5.x (the old name warns)."""
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+@torch.inference_mode()
+def forward(model: Any, input_ids: list[int], cache: Any, num_logits: int,
+            attention_mask: torch.Tensor | None = None,
+            position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One forward pass appending ``input_ids`` to ``cache``; returns the last ``num_logits`` logit rows."""
+    ids = torch.tensor([input_ids], device=model.device)
+    out = model(input_ids=ids, **{cache_kwarg(type(model)): cache}, use_cache=True,
+                attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=num_logits)
+    return out.logits[0]  # [num_logits, vocab]
+
+
+def measure_verify_cost(model: Any, prompt_ids: Sequence[int], max_tokens: int, reps: int) -> dict[int, float]:
+    """Median seconds of one forward over ``k`` new tokens (k = 1 … max_tokens) on a cached prompt.
+
+    ``k`` counts every token in the pass, as the engine sends them: a round with γ draft tokens is a pass
+    over k = γ + 1 tokens (the last committed token plus the draft), all of whose logits are kept. The
+    cache is cropped back to the prompt after every pass; sizes are interleaved within each repetition so
+    drift hits them alike.
+    """
+    cache = new_cache(model)
+    forward(model, list(prompt_ids), cache, num_logits=1)
+    base = cache_length(cache)
+    filler = (list(prompt_ids) * (max_tokens // max(len(prompt_ids), 1) + 1))[:max_tokens]
+    samples: dict[int, list[float]] = {k: [] for k in range(1, max_tokens + 1)}
+    for rep in range(reps + 1):  # repetition 0 is a warm-up, not recorded
+        for k in samples:
+            t0 = time.perf_counter()
+            forward(model, filler[:k], cache, k)
+            seconds = time.perf_counter() - t0
+            crop_cache(cache, base)
+            if rep:
+                samples[k].append(seconds)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def logits_at(model: Any, ids: Sequence[int]) -> torch.Tensor:
+    """The target's next-token logits after ``ids`` (one fresh forward, in the model's dtype) as float32."""
+    return forward(model, list(ids), new_cache(model), num_logits=1)[-1].float()
+
+
+@torch.inference_mode()
+def logit_path_noise(model: Any, prompt_ids: Sequence[int], generated: Sequence[int], chunk: int) -> dict:
+    """How far the same position's logits move when only the computation path changes.
+
+    The logits predicting each of ``generated`` are computed three ways: (a) one forward over the whole
+    sequence, (b) prompt prefill then one token per forward (plain decoding), (c) prompt prefill then
+    ``chunk`` tokens per forward (a verify pass). All three are the target's exact greedy computation;
+    in bf16 they round differently. Returns the largest and the median absolute difference, over
+    positions and path pairs, of the logits of path (a)'s top-2 tokens.
+    """
+    prompt, gen = list(prompt_ids), list(generated)
+    if not gen:
+        return {"max_abs": float("nan"), "median_abs": float("nan"), "positions": 0}
+    full = forward(model, prompt + gen, new_cache(model), num_logits=len(gen) + 1)[:-1].float()
+    paths = [full]
+    for step in (1, chunk):
+        cache = new_cache(model)
+        rows = [forward(model, prompt, cache, num_logits=1)]
+        for i in range(0, len(gen) - 1, step):
+            piece = gen[i:i + step][: len(gen) - 1 - i]
+            rows.append(forward(model, piece, cache, num_logits=len(piece)))
+        paths.append(torch.cat(rows).float())  # [len(gen), vocab]
+    top2 = torch.topk(full, 2, dim=-1).indices  # [len(gen), 2]
+    picked = [p.gather(-1, top2) for p in paths]
+    diffs = torch.cat([(picked[i] - picked[j]).abs().flatten() for i in range(3) for j in range(i + 1, 3)])
+    return {"max_abs": float(diffs.max()), "median_abs": float(diffs.median()), "positions": len(gen),
+            "chunk": chunk}
+
+
+def check_divergence(target: LoadedModel, prompt_id: str, ids: list[int], plain: list[int],
+                     other: list[int], tie_ulps: float, noise: float) -> dict | None:
+    """``None`` if ``other == plain``; else the first differing position and the target's margin there.
+
+    The margin comes from one fresh forward over prompt + common prefix in the run's dtype; the verdict
+    (a bf16 rounding tie, or a failure) from :func:`agentspec.equivalence.judge_divergence`.
+    """
+    pos = first_divergence(plain, other)
+    if pos is None:
+        return None
+    logits = logits_at(target.model, ids + plain[:pos])
+    decode = target.tokenizer.decode
+    return {  # the keys in the order the benchmarks' result files show them
+        "prompt_id": prompt_id, "position": pos,
+        "plain_token": plain[pos] if pos < len(plain) else None,
+        "method_token": other[pos] if pos < len(other) else None,
+        "plain_text": decode(plain[pos:pos + 1]), "method_text": decode(other[pos:pos + 1]),
+        **judge_divergence(logits, plain, other, pos, target.dtype == torch.bfloat16, tie_ulps, noise),
+    }
+
+
+@torch.inference_mode()
+def forward_batch(model: Any, caches: Sequence[Any], inputs: Sequence[list[int]],
+                  masks: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One forward pass over several sequences with their own caches; returns each one's logit rows.
+
+    Item ``i`` has ``L_i`` cached positions and ``q_i = len(inputs[i])`` new tokens, with its own additive
+    mask ``[1, 1, q_i, L_i + q_i]`` and ``position_ids [1, q_i]`` (as :func:`agentspec.verify.tree_attention`
+    builds them). The new tokens are packed into ONE row of ``sum(q_i)`` tokens, so every linear layer —
+    where the time goes — runs once for all items. Attention runs per item against that item's own cache
+    (a varlen pass, as vLLM does): no cache is padded, concatenated or copied, and each item attends to
+    exactly what it would alone. Afterwards each cache holds its ``L_i + q_i`` positions.
+    """
+    device = model.device
+    rows = _PackedRows(list(caches), [len(x) for x in inputs], list(masks))
+    ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=device)
+    pos = torch.cat([p.reshape(1, -1) for p in positions], dim=1).to(device)
+    placeholder = torch.zeros(1, 1, 1, 1, dtype=masks[0].dtype, device=device)  # a 4D mask is used as given
+    config = model.config
+    saved = config._attn_implementation
+    config._attn_implementation = _packed_attention_name()
+    try:
+        out = model(input_ids=ids, **{cache_kwarg(type(model)): _packed_cache_class()(model, rows)},
+                    use_cache=True, attention_mask=placeholder, position_ids=pos, logits_to_keep=ids.shape[1],
+                    agentspec_rows=rows)
+    finally:
+        config._attn_implementation = saved
+    return list(out.logits[0].split(rows.sizes))
+
+
+@dataclasses.dataclass
+class _PackedRows:
+    """One packed pass: the items' caches, how many new tokens each has, their masks, and per layer the
+    full (cached + new) keys and values each item's attention uses."""
+
+    caches: list[Any]
+    sizes: list[int]
+    masks: list[torch.Tensor]
+    full: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = dataclasses.field(default_factory=dict)
+
+
+@functools.cache
+def _packed_cache_class() -> type:
+    from transformers import DynamicCache
+
+    class PackedCache(DynamicCache):
+        """Routes a packed row's new keys/values to each item's own cache (its normal append)."""
+
+        def __init__(self, model: Any, rows: _PackedRows) -> None:
+            super().__init__(config=model.config)
+            self.rows = rows
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = key_states.split(self.rows.sizes, dim=-2), value_states.split(self.rows.sizes, dim=-2)
+            self.rows.full[layer_idx] = [c.update(k, v, layer_idx)
+                                         for c, k, v in zip(self.rows.caches, keys, values, strict=True)]
+            return key_states, value_states
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0
+
+    return PackedCache
+
+
+@functools.cache
+def _packed_attention_name() -> str:
+    """Register (once) the attention function a packed pass runs under; unpacked calls go to SDPA.
+
+    Lazy (the first :func:`forward_batch`), not at import: importing agentspec changes no other library."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, scaling: float | None = None,
+                         agentspec_rows: _PackedRows | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if agentspec_rows is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        outs, start = [], 0
+        full = agentspec_rows.full[module.layer_idx]
+        gqa = query.shape[1] != full[0][0].shape[1]
+        for (k, v), size, mask in zip(full, agentspec_rows.sizes, agentspec_rows.masks, strict=True):
+            # SDPA's own grouped-query support: no repeated copy of every cached key and value
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, start : start + size], k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa))
+            start += size
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+    name = "agentspec_packed"
+    AttentionInterface.register(name, packed_attention)
+    return name

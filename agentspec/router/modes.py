@@ -1,0 +1,252 @@
+"""The mode policy: which mode (edge, server, server-ar) runs a request's next segment.
+
+:class:`ModeConfig` holds the knobs; :class:`ModePolicy` holds only what it has measured and predicts
+each mode's cost with :mod:`agentspec.router.costs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import agentspec.router.costs as costs
+from agentspec.router.estimators import ChainReplay, LinearCost, ema
+from agentspec.router.gamma import DraftLengthPolicy
+
+SHADOWABLE = ("edge", "server")  # the modes whose chain drafters can be replayed over committed text
+
+
+@dataclass(frozen=True)
+class ModeConfig:
+    """The mode policy's knobs (see :class:`ModePolicy`), checked once, here; ``gamma_max`` and
+    ``segment_tokens`` are the client's (γ of the shadow replays, S of the closed forms); ``shadowed``:
+    the modes whose E[A] comes only from shadow replays (:meth:`ModePolicy.observe_replays`)."""
+
+    has_drafter: bool = True
+    has_api: bool = False
+    hysteresis: float = 0.05
+    probe_every: int = 8
+    max_probe_every: int = 128
+    probe_margin: float = 0.25
+    busy_penalty: float = 1.25
+    ema: float = 0.3
+    correction_ema: float = 0.15  # slower: one segment's wall time scatters by 10-20 % on a busy CPU
+    gamma_max: int = 4
+    segment_tokens: int = 16
+    shadowed: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shadowed", frozenset(self.shadowed))
+        checks = {"hysteresis must be in [0, 1)": 0.0 <= self.hysteresis < 1.0,
+                  "probe_every must be >= 1": self.probe_every >= 1,
+                  "max_probe_every must be >= 1": self.max_probe_every >= 1,
+                  "probe_margin must be >= 0": self.probe_margin >= 0.0,
+                  "busy_penalty must be >= 1": self.busy_penalty >= 1.0,
+                  "ema must be in (0, 1]": 0.0 < self.ema <= 1.0,
+                  "correction_ema must be in (0, 1]": 0.0 < self.correction_ema <= 1.0,
+                  "gamma_max must be >= 0": self.gamma_max >= 0,
+                  "segment_tokens must be >= 1": self.segment_tokens >= 1,
+                  f"shadowed modes must be among {SHADOWABLE}": self.shadowed <= set(SHADOWABLE)}
+        bad = [message for message, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"ModeConfig: {'; '.join(bad)} (got {self!r})")
+
+
+@dataclass
+class ModePolicy:
+    """Picks the mode of the next segment of a request (design.md's modes) from the closed forms.
+
+    Inputs, all measured online: ``t_v(γ)`` (a :class:`LinearCost` over every reported pass) and ``t_ds``
+    from the server's timings, ``t_d`` from local drafting, RTT from edge rounds (wall − server compute)
+    and session opens (they keep it current while no edge round runs); ``E[A]`` and ``γ̄`` per mode, and
+    per content kind (``"tool"``/``"text"``), from **shadow replays** (:meth:`observe_replays`), so every
+    mode is judged on the *same* text (segment costs are dominated by how predictable the text is), or
+    from the mode's own rounds when not in ``config.shadowed``. A per-mode correction (EMA of measured /
+    closed-form seconds per segment it ran) absorbs what the closed forms leave out.
+
+    Until a mode's inputs exist its measured seconds per token stands in; a mode never run is tried first.
+    Modes judged without running them (shadowed, or server-ar) are never probed; the others every
+    ``probe_every`` segments, backing off (doubling, up to ``max_probe_every``) while probes lose by more
+    than ``probe_margin``. A switch needs the challenger ``hysteresis`` cheaper. A saturated server makes
+    server-side drafting cost ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
+    """
+
+    config: ModeConfig = field(default_factory=ModeConfig)
+    seconds_per_token: dict[str, float] = field(default_factory=dict)
+    last_used: dict[str, int] = field(default_factory=dict)
+    last_predictions: dict[str, float] = field(default_factory=dict)
+    edge: DraftLengthPolicy = field(default_factory=lambda: DraftLengthPolicy(probe_every=8))
+    current: str | None = None
+    segments: int = 0
+    server_waiting: int = 0
+    probe_interval: dict[str, int] = field(default_factory=dict)  # per mode; backs off while probes lose
+    probing: str | None = None  # the mode of the segment in flight, when it is a probe
+    last_probe: int = 0
+    server_costs: LinearCost = field(default_factory=LinearCost)  # server-reported t_v(γ), fitted
+    per_round: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (E[A], γ̄), EMA
+    per_round_kind: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)  # (mode, kind) -> ...
+    correction: dict[str, float] = field(default_factory=dict)  # mode -> measured / predicted, EMA
+    rtt: float | None = None  # wall − server compute − local drafting, per edge round (EMA)
+    rtt_open: float | None = None  # the same per session open (EMA)
+    _rtt_open_at_edge: float | None = None
+    t_ds: float | None = None  # server-side draft seconds per token (EMA)
+    t_d_shadow: float | None = None  # local draft seconds per token seen in the edge shadow (EMA)
+
+    @property
+    def modes(self) -> list[str]:
+        return (["edge"] if self.config.has_drafter else []) + ["server", "server-ar"]
+
+    def _needs_probes(self, mode: str, kind: str) -> bool:
+        """Whether ``mode``'s estimate only stays fresh by running it (no closed form from shared inputs)."""
+        judged_unrun = mode == "server-ar" or mode in self.config.shadowed
+        return not judged_unrun or self.closed_form(mode, kind=kind) is None
+
+    def choose(self, kind: str = "text") -> str:
+        """The mode for the next segment; ``kind``: what the segment starts in (``"tool"`` or ``"text"``)."""
+        c = self.config
+        self.segments += 1
+        untried = [m for m in self.modes if m not in self.seconds_per_token]
+        predicted = {m: self.predicted(m, kind) for m in self.modes}
+        self.last_predictions = {m: s * 1e3 for m, s in predicted.items()}
+        due = [m for m in self.modes if m != self.current and self._needs_probes(m, kind)
+               and self.segments - self.last_used.get(m, 0) >= self.probe_interval.get(m, c.probe_every)]
+        if self.segments - self.last_probe < c.probe_every:
+            due = []  # at most one probe every probe_every segments, whatever the number of modes
+        self.probing = None
+        if untried:
+            pick = untried[0]
+        elif due and self.current is not None:
+            pick = self.probing = min(due, key=lambda m: self.last_used.get(m, -1))
+            self.last_probe = self.segments
+        else:
+            pick = min(self.modes, key=predicted.__getitem__)
+            if self.current in predicted and predicted[pick] > (1 - c.hysteresis) * predicted[self.current]:
+                pick = self.current
+            self.current = pick
+        self.last_used[pick] = self.segments
+        return pick
+
+    def predicted(self, mode: str, kind: str = "text") -> float:
+        """Expected seconds per token of ``mode`` now: the corrected closed form, else the measured EMA."""
+        cost = self.closed_form(mode, kind=kind)
+        if cost is None:
+            cost = self.seconds_per_token.get(mode, 0.0)
+        else:
+            cost *= self.correction.get(mode, 1.0)
+        if mode == "server" and self.server_waiting > 0:
+            cost *= self.config.busy_penalty
+        return cost
+
+    def network_s(self) -> float | None:
+        """The current round trip estimate: the edge rounds', moved by how session opens have moved since."""
+        if self.rtt is None:
+            return self.rtt_open
+        if self.rtt_open is None or self._rtt_open_at_edge is None:
+            return self.rtt
+        return max(self.rtt + self.rtt_open - self._rtt_open_at_edge, 0.0)
+
+    def closed_form(self, mode: str, per_round: tuple[float, float] | None = None, kind: str = "text"
+                    ) -> float | None:
+        """design.md's seconds per token of ``mode`` (uncorrected), or None while an input is missing.
+
+        ``per_round``: (E[A], γ̄) to use instead of the mode's current estimate for ``kind``."""
+        rtt, segment_tokens = self.network_s(), self.config.segment_tokens
+        if rtt is None:
+            return None
+        if mode == "server-ar":
+            t_ar = self.server_costs.seconds(0)
+            return None if t_ar is None else costs.streamed_cost(costs.plain_cost(t_ar), rtt, segment_tokens)
+        mean_accepted, gamma = per_round or self.per_round_kind.get((mode, kind)) or self.per_round.get(mode,
+                                                                                                   (0.0, 0.0))
+        t_v = self.server_costs.seconds(gamma)
+        if t_v is None or mean_accepted <= 0:
+            return None
+        if mode == "edge":
+            t_d = self.edge.draft_seconds_per_token or self.t_d_shadow or 0.0
+            return costs.edge_round_s(gamma, t_d, t_v, rtt) / mean_accepted
+        if mode == "server" and self.t_ds is not None:
+            return costs.streamed_cost(costs.colocated_round_s(gamma, self.t_ds, t_v) / mean_accepted, rtt,
+                                       segment_tokens)
+        return None
+
+    def gamma(self, mode: str, gamma_max: int, kind: str = "text") -> int:
+        """Draft length for the next edge round (``kind``: the content kind it drafts)."""
+        return self.edge.choose(gamma_max, kind) if mode == "edge" else gamma_max
+
+    def observe_open(self, wall_s: float, server_s: float) -> None:
+        """A session open's wall time and the server's compute in it (prefill): tracks the round trip."""
+        self.rtt_open = ema(self.rtt_open, max(wall_s - server_s, 0.0), self.config.ema)
+
+    def observe_round(self, mode: str, drafted: int, accepted: int, emitted: int, *, wall_s: float,
+                      server_s: float, verify_s: float, draft_s: float, waiting: int | None = None,
+                      kind: str = "text") -> None:
+        """One round's reply as the client saw it; ``wall_s`` is the request's wall time (drafting excluded),
+        ``waiting`` the server's queue when it reported its load, ``kind`` what the round drafted."""
+        if waiting is not None:
+            self.server_waiting = int(waiting)
+        if verify_s > 0:
+            self.server_costs.observe(drafted, verify_s)
+        if mode == "server" and drafted and server_s > verify_s:
+            self.t_ds = ema(self.t_ds, (server_s - verify_s) / drafted, self.config.ema)
+        if mode == "edge":
+            self.rtt = ema(self.rtt, max(wall_s - server_s, 0.0), self.config.ema)
+            self._rtt_open_at_edge = self.rtt_open
+            reached = min(drafted, accepted + 1)
+            self.edge.observe(drafted, reached, accepted, max(wall_s, 1e-6), draft_s, kind=kind)
+
+    def observe_replays(self, replays: Mapping[str, ChainReplay], kind: str | None = None) -> None:
+        """Shadow replays over a segment's committed tokens (mode → replayed rounds), for modes in
+        ``config.shadowed``; ``kind``: the content kind the segment started in (kept apart too)."""
+        unknown = set(replays) - self.config.shadowed
+        if unknown:
+            raise ValueError(f"replays for {sorted(unknown)}, which ModeConfig.shadowed does not list")
+        for mode, r in replays.items():
+            self._per_round(mode, r.tokens / r.rounds, r.drafted / r.rounds, kind)
+            if mode == "edge" and r.drafted:
+                self.t_d_shadow = ema(self.t_d_shadow, r.draft_s / r.drafted, self.config.ema)
+
+    def _per_round(self, mode: str, mean_accepted: float, gamma: float, kind: str | None = None) -> None:
+        keys = [(self.per_round, mode)] + ([(self.per_round_kind, (mode, kind))] if kind is not None else [])
+        for table, key in keys:
+            old = table.get(key, (None, None))
+            table[key] = (ema(old[0], mean_accepted, self.config.ema), ema(old[1], gamma, self.config.ema))
+
+    def observe_segment(self, mode: str, seconds_per_token: float, *, tokens: int = 0, rounds: int = 0,
+                        drafted: int = 0, draft_s: float = 0.0, kind: str | None = None) -> None:
+        """A finished segment's wall seconds per committed token in ``mode`` (and, when known, its token,
+        round and draft counts, the local drafter's seconds in it and the content kind it started in)."""
+        c = self.config
+        if mode == self.probing and self.current is not None and self.current != mode:
+            incumbent = self.predicted(self.current, kind or "text")
+            interval = self.probe_interval.get(mode, c.probe_every)
+            worse = seconds_per_token > (1 + c.probe_margin) * incumbent
+            self.probe_interval[mode] = min(2 * interval, c.max_probe_every) if worse else c.probe_every
+        self.probing = None
+        self.seconds_per_token[mode] = ema(self.seconds_per_token.get(mode), seconds_per_token, c.ema)
+        if not (tokens and rounds) or self.network_s() is None or mode not in self.modes:
+            return
+        if mode not in c.shadowed and mode != "server-ar":
+            self._per_round(mode, tokens / rounds, drafted / rounds, kind)
+        predicted = self._segment_closed_form(mode, tokens, rounds, drafted, draft_s)
+        if predicted is not None and predicted > 0:
+            ratio = min(max(seconds_per_token * tokens / predicted, 0.5), 3.0)
+            self.correction[mode] = ema(self.correction.get(mode), ratio, c.correction_ema)
+
+    def _segment_closed_form(self, mode: str, tokens: int, rounds: int, drafted: int, draft_s: float
+                             ) -> float | None:
+        """The closed form's seconds for a finished segment from its own counts (and measured local drafting),
+        so the correction absorbs what the closed form leaves out and nothing of the text's predictability."""
+        rtt = self.network_s()
+        if rtt is None:
+            return None
+        if mode == "server-ar":
+            t_ar = self.server_costs.seconds(0)
+            return None if t_ar is None else costs.plain_segment_s(tokens, t_ar, rtt)
+        t_v = self.server_costs.seconds(drafted / rounds)  # linear in γ: Σ t_v(γ_i) = rounds · t_v(γ̄)
+        if t_v is None:
+            return None
+        if mode == "edge":
+            return costs.edge_segment_s(rounds, draft_s, t_v, rtt)
+        if mode == "server" and self.t_ds is not None:
+            return costs.colocated_segment_s(rounds, drafted, self.t_ds, t_v, rtt)
+        return None
