@@ -116,7 +116,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> int:
     from rich.table import Table
 
     from agentspec.adapters.langchain import ChatAgentSpec
-    from agentspec.drafters import NgramDrafter
+    from agentspec.drafters import make_drafter
     from agentspec.models import load_model, model_thread, on_thread
     from agentspec.verifier_server.config import ServerConfig
     from agentspec.verifier_server.local import LocalVerifier
@@ -136,7 +136,7 @@ def run_demo(config: DemoConfig = DemoConfig()) -> int:
         def model(mode: str) -> ChatAgentSpec:
             key = "plain-run" if mode == "server-ar" else "agentspec-run"
             return ChatAgentSpec(model=config.model, base_url=verifier.url, api_key=key, mode=mode, temperature=0,
-                                 max_tokens=config.max_new_tokens, drafter=NgramDrafter(max_ngram=3),
+                                 max_tokens=config.max_new_tokens, drafter=make_drafter("ngram", max_ngram=3),
                                  tokenizer=target.tokenizer, num_draft_tokens=config.num_draft_tokens, timeout=600)
 
         spec_model = model("auto")  # one client for all tasks: its router keeps what it measured

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentspec.types import DraftProposal, SamplingParams, SparseDist
+from agentspec.types import DraftProposal, SamplingParams, SparseDist, check_parents
 
 PROTOCOL_VERSION = 1
 
@@ -106,12 +106,7 @@ class Draft(_Strict):
     def _check(self) -> Draft:
         n = len(self.tokens)
         if self.parents is not None:
-            if len(self.parents) != n:
-                raise ValueError(f"parents has {len(self.parents)} entries for {n} tokens")
-            for i, p in enumerate(self.parents):
-                if not -1 <= p < i:
-                    raise ValueError(f"parents[{i}] = {p}: each parent must be -1 (the root) or an earlier "
-                                     "node (topological order, so no cycles)")
+            check_parents(self.parents, n)
         if self.q is not None:
             if len(self.q) != n:
                 raise ValueError(f"q has {len(self.q)} entries for {n} tokens")

@@ -12,6 +12,7 @@ from typing import Any
 from agentspec.client.events import ClientStats, FinalEvent, TextEvent, ToolCallEvent
 from agentspec.drafters.base import Drafter
 from agentspec.protocol import Draft, Generate, OpenSession, RoundReply, Sampling, SessionInfo, VerifyRound
+from agentspec.text import StopStrings
 from agentspec.toolcalls import ToolCallParser
 from agentspec.types import DraftProposal, SamplingParams
 
@@ -29,7 +30,7 @@ class Run:
         self.prompt: list[int] = []
         self.tokens: list[int] = []  # prompt + generated, as committed
         self.sid: str | None = None
-        self.text, self.held = "", ""
+        self.text, self.stops = "", StopStrings(stop)
         self.parser = ToolCallParser(tools_enabled=bool(tools))
         self.calls: list[ToolCallEvent] = []
         self.finish: str | None = None
@@ -81,22 +82,14 @@ class Run:
         return events
 
     def feed_text(self, text: str) -> list[Any]:
-        text = self.held + text
-        self.held = ""
-        if self.stop:
-            cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text, self.finish = text[:cut], "stop"
-            else:
-                keep = max((n for s in self.stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-                if keep:
-                    text, self.held = text[:-keep], text[-keep:]
+        """Committed text through the stop strings and the tool-call parser: the events it makes final."""
+        text = self.stops.feed(text)
+        if self.stops.stopped:
+            self.finish = "stop"
         return self._parse(self.parser.feed(text))
 
     def close_events(self) -> list[Any]:
-        events = self._parse(self.parser.feed(self.held) + self.parser.finish())
-        self.held = ""
-        return events
+        return self._parse(self.parser.feed(self.stops.flush()) + self.parser.finish())
 
     def add_call(self, call_id: str, name: str, arguments: str) -> ToolCallEvent:
         call = ToolCallEvent(len(self.calls), call_id, name, arguments)

@@ -21,11 +21,10 @@ from agentspec.client.edge import EdgeDrafting
 from agentspec.client.events import FinalEvent, PreviewEvent, SegmentStats, TextEvent, ToolCallEvent
 from agentspec.client.ops import Call, Pools, Steps, WhileDrafting, adrive, drive
 from agentspec.client.run import Run
+from agentspec.drafters import make_drafter
 from agentspec.drafters.base import DraftContext, Drafter, remember_output
 from agentspec.drafters.copy import SuffixIndex
-from agentspec.drafters.ngram import NgramDrafter
 from agentspec.drafters.replay import shadow_replays
-from agentspec.drafters.tree import default_drafter
 from agentspec.protocol import SERVER_DRAFTERS, RoundReply, SessionInfo
 from agentspec.router import ModeConfig, ModePolicy
 from agentspec.transport import HTTPTransport, ResendPrefix, Timed, VerifierError, VerifierUnavailable
@@ -72,14 +71,15 @@ class SpecClient:
         # tool-calling requests draft with grammar + copy + the given drafter, merged into one tree
         self.tool_drafter: Drafter | None = None
         if drafter is not None and tokenizer is not None and not getattr(drafter, "merges_sources", False):
-            self.tool_drafter = default_drafter(tokenizer, model=drafter, index=SuffixIndex())
+            self.tool_drafter = make_drafter("default", tokenizer=tokenizer, model=drafter,
+                                             index=SuffixIndex())
         # the chain drafters the router judges modes by, replayed over committed text: the edge drafter's
         # shadow (when there is no tool drafter) and what the verifier builds for server_drafter="ngram"
         shadow = getattr(drafter, "shadow", None)
         edge = shadow() if shadow is not None and self.tool_drafter is None else None
         self._shadows: dict[str, Drafter] = {} if edge is None else {"edge": edge}
         if server_drafter == "ngram":
-            self._shadows["server"] = NgramDrafter()
+            self._shadows["server"] = make_drafter("ngram")
         if policy is None:  # a shared policy gets this client's settings in its config
             policy = ModePolicy(ModeConfig(has_drafter=drafter is not None,
                                            has_api=fallback_model is not None))

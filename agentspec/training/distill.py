@@ -66,9 +66,10 @@ def target_responses(target: models.LoadedModel, examples: Sequence[ChatExample]
 
 
 def _local(target: models.LoadedModel, cfg: TrainConfig) -> Callable[..., list[int]]:
-    from agentspec.drafters.tree import default_drafter
+    from agentspec.drafters import make_drafter
 
-    engine = SpecEngine(target, default_drafter(target.tokenizer), num_draft_tokens=6)  # lossless, just faster
+    drafter = make_drafter("default", tokenizer=target.tokenizer)
+    engine = SpecEngine(target, drafter, num_draft_tokens=6)  # lossless, just faster
 
     def generate(example: ChatExample, prompt: list[int], temperature: float, seed: int) -> list[int]:
         params = SamplingParams(temperature=temperature, max_new_tokens=cfg.max_new_tokens, seed=seed)

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentspec import models, router
+from agentspec.drafters import make_drafter
 from agentspec.drafters.base import DraftContext
-from agentspec.drafters.model import ModelDrafter
 from agentspec.local import SpecEngine
 from agentspec.models import check_divergence, logit_path_noise
 from agentspec.toolcalls import render_chat
@@ -30,7 +30,7 @@ def evaluate(target: models.LoadedModel, drafter_model: Any, examples: Sequence[
     prompts = [render_chat(target.tokenizer, list(e.messages), list(e.tools) or None) for e in examples]
     params = SamplingParams(max_new_tokens=max_new_tokens)
     plain = SpecEngine(target, None)
-    drafter = ModelDrafter(drafter_model)
+    drafter = make_drafter("model", model=drafter_model)
     curve = models.measure_verify_cost(target.model, prompts[0], max(ks) + 1, reps=2)
     plain.generate(prompts[0], params)  # warm-up
     drafter.propose(DraftContext(prompts[0], len(prompts[0])), 1)
