@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,8 @@ from agentspec.protocol import PROTOCOL_VERSION, Generate, OpenSession, Protocol
 from agentspec.verifier_server.engine import VerifierEngine
 from agentspec.verifier_server.kv_store import key_owner
 from agentspec.verifier_server.openai_api import ChatRequest, chat_completion, stream_chunks
+
+log = logging.getLogger("agentspec.verifier")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -117,10 +120,7 @@ def create_app(engine: VerifierEngine) -> FastAPI:
         return JSONResponse(error_body(str(e.detail), ERROR_TYPES.get(e.status_code, "invalid_request_error"),
                                        code=str(e.status_code)), status_code=e.status_code)
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"),
-                            status_code=500)
+    app.add_middleware(_InternalErrors)
 
     # -- operations --------------------------------------------------------------------------------
 
@@ -187,6 +187,8 @@ def create_app(engine: VerifierEngine) -> FastAPI:
                     yield (reply.model_dump_json() + "\n").encode()
             except ProtocolError as e:
                 yield (json.dumps(error_body(e.message, code=e.code, param=e.param)) + "\n").encode()
+            except Exception as e:  # the stream ends with an error line, never silently
+                yield (json.dumps(_internal_error(request.url.path, e)) + "\n").encode()
             finally:
                 await rounds.aclose()
 
@@ -210,7 +212,39 @@ def create_app(engine: VerifierEngine) -> FastAPI:
                     yield c
             except ProtocolError as e:
                 yield f"data: {json.dumps(error_body(e.message, code=e.code, param=e.param))}\n\n".encode()
+            except Exception as e:  # the stream ends with an error event, never silently
+                yield f"data: {json.dumps(_internal_error(request.url.path, e))}\n\n".encode()
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
     return app
+
+
+class _InternalErrors:
+    """Any other exception: a 500 in the OpenAI envelope (or, once a response has started, the log only). Not
+    re-raised: the server would then drop the connection before the client reads the answer."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        started = False
+
+        async def watch(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:
+            body = _internal_error(scope.get("path", ""), e)
+            if not started and scope["type"] == "http":
+                await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
+def _internal_error(path: str, e: BaseException) -> dict[str, Any]:
+    """A 5xx body: the exception goes to the log, never to the client (it may carry another tenant's data)."""
+    log.error("internal error on %s", path, exc_info=e)
+    return error_body("internal server error; the request was not completed (details are in the server log)",
+                      "server_error", code="internal_error")

@@ -37,7 +37,7 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -105,13 +105,14 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
     messages = add_instruction(req.messages, hint) if hint else req.messages
     structured = req.response_format if (req.response_format or {}).get("type") in ("json_object", "json_schema") \
         else None
+    # everything that can refuse the request does so before a session exists (a failed request leaves none)
+    sampling = Sampling(temperature=req.temperature or 0.0, top_p=req.top_p or 1.0, seed=req.seed)
     info = await engine.open_session(OpenSession(messages=messages, tools=tools, tool_choice=req.tool_choice,
                                                  response_format=structured), owner)
     session = engine.store.get(info.session_id, owner)
     created, cid = int(time.time()), "chatcmpl-" + uuid.uuid4().hex[:24]
     model = req.model or engine.config.served_model_name
     max_new = req.max_completion_tokens or req.max_tokens or 512
-    sampling = Sampling(temperature=req.temperature or 0.0, top_p=req.top_p or 1.0, seed=req.seed)
     # co-located speculation with a drafter, or for structured output (grammar + copy drafts need no model)
     speculate = engine.draft_model is not None or bool(tools) or structured is not None
     mode: Literal["server", "server-ar"] = "server" if speculate else "server-ar"
@@ -126,9 +127,9 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
 
-    yield chunk({"role": "assistant", "content": ""})
     rounds_iter = engine.generate(session, gen)
     try:
+        yield chunk({"role": "assistant", "content": ""})
         async for reply in rounds_iter:
             rounds += 1
             drafted += reply.drafted

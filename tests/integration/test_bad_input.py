@@ -118,6 +118,7 @@ CHAT_CASES = {
     "bad response_format": {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
     "too many stops": {"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]},
     "unknown model": {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
+    "seed >= 2**63": {"messages": [{"role": "user", "content": "x"}], "seed": 2**63},
 }
 
 
@@ -149,10 +150,12 @@ def test_round_rejects(client, session, case):
 
 
 @pytest.mark.parametrize("case", sorted(CHAT_CASES))
-def test_chat_rejects(client, session, case):
+def test_chat_rejects(server, client, session, case):
+    open_before = server.engine.store.num_open()
     r = client.post("/v1/chat/completions", json=CHAT_CASES[case])
     _assert_4xx(r)
     _still_serving(client, session)
+    assert server.engine.store.num_open() == open_before  # a refused request leaves no session behind
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"null", b"\xff\xfe", b""])
