@@ -35,11 +35,13 @@ TASKS = [
 
 @dataclass(frozen=True)
 class DemoConfig:
-    model: str = "qwen2.5-coder-0.5b-instruct"
-    dtype: str = "float32"
-    device: str = "auto"
-    num_draft_tokens: int = 12
-    max_new_tokens: int = 320
+    """What the demo runs (``agentspec demo``'s flags, with their help)."""
+
+    model: str = field(default="qwen2.5-coder-0.5b-instruct", metadata={"help": "the target model"})
+    dtype: str = field(default="float32", metadata={"help": "auto, float32, bfloat16, fp16..."})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda[:N] or mps"})
+    num_draft_tokens: int = field(default=12, metadata={"help": "most draft tokens per round"})
+    max_new_tokens: int = field(default=320, metadata={"help": "most tokens per model call"})
 
 
 @dataclass

@@ -186,8 +186,10 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dt, **kwargs)
     except (OSError, ValueError) as e:
-        hint = "" if allow_download else " (hub downloads are off; pass allow_download=True or a local path)"
-        raise ModelLoadError(f"could not load model {source!r}{hint}: {e}") from e
+        hint = "" if allow_download else ("; hub downloads are off: pass --allow-download (CLI) / "
+                                          "allow_download=True (Python), or a local directory or .gguf file")
+        raise ModelLoadError(f"could not load model {source!r}: {' '.join(str(e).split())} Offline aliases: "
+                             f"{', '.join(OFFLINE_MODELS)}{hint}") from e
     model.to(dev).eval()
     if path.is_dir() and (path / DRAFT_VOCAB_FILE).exists():  # a drafter saved with a reduced vocabulary
         restrict_output_vocab(model, json.loads((path / DRAFT_VOCAB_FILE).read_text()))

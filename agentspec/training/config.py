@@ -2,51 +2,56 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 
+def _f(default: Any, help: str, required: bool = False) -> Any:
+    """A field with its flag's help (``required``: ``agentspec train`` needs the flag)."""
+    return field(default=default, metadata={"help": help, "required": required})
+
+
 @dataclass
 class TrainConfig:
-    """What to distil, from what, and how. Defaults finish within an hour on 2 CPU cores for a 0.5B target."""
+    """What to distil, from what, and how. Defaults finish within an hour on 2 CPU cores (0.5B target)."""
 
-    target: str = "qwen2.5-coder-0.5b-instruct"  # alias, directory, GGUF file or hub id (cache only)
-    output: str = "drafters/out"  # the drafter directory (loads as --draft-model and as an edge drafter)
-    drafter: str = ""  # an existing same-tokenizer model to fine-tune; empty: build one (see init)
-    init: str = "from-target"  # "from-target": the target's first init_layers layers; "scratch": new layers
-    init_layers: int = 2
-    copy_embeddings: bool = True  # scratch: start from the target's embeddings and output head
-    train_embeddings: bool = False  # full fine-tuning: also train the (large) embeddings and output head
-    data: str = "bfcl:simple_python,multiple,parallel,live_simple"  # "bfcl:<categories>" or JSONL paths, comma-separated
-    split: str = "id"  # held-out split: "id" (a stable hash of each id) or "category"
-    heldout_fraction: float = 0.2  # split by id: the share held out
-    heldout_categories: str = "live_simple"  # split by category: these categories are held out
-    max_train_prompts: int = 240
-    max_heldout_prompts: int = 24
-    temperatures: str = "0"  # the target's responses: greedy (0) and/or sampled at these temperatures
-    max_new_tokens: int = 96
-    verifier_url: str = ""  # distil through an agentspec-verifier instead of a local target
-    epochs: int = 3
-    batch_size: int = 8
-    lr: float = 5e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    max_len: int = 768  # prompt tokens are cut from the left to fit prompt + response
-    kl_weight: float = 0.0  # > 0: add KL(target ‖ drafter) on response tokens (one target pass per batch)
-    draft_vocab: int = 8192  # > 0: the drafter's output head keeps this many token ids (see distill.draft_vocabulary)
-    train_head: bool = False  # draft_vocab > 0, full fine-tuning: also train the reduced head's rows
-    lora_rank: int = 0  # > 0: train LoRA adapters (peft) and merge them into the saved drafter
-    checkpoint_every: int = 25  # steps between checkpoints (and always at the end)
-    eval_ks: str = "2,4,8"
-    eval_before: bool = True
-    device: str = "auto"
-    dtype: str = "float32"  # training dtype (bf16 is emulated on many CPUs; fp32 is faster there)
-    eval_dtype: str = "bfloat16"  # the dtype acceptance and speed-up are measured in
-    seed: int = 0
-    threads: int = 0  # torch threads (0: torch's default)
+    target: str = _f("qwen2.5-coder-0.5b-instruct", "alias, directory, GGUF or cached hub id", required=True)
+    output: str = _f("drafters/out", "drafter directory (a --draft-model, an edge drafter)", required=True)
+    drafter: str = _f("", "an existing same-tokenizer model to fine-tune; empty: build one (see --init)")
+    init: str = _f("from-target", "from-target: the target's first --init-layers layers; scratch: new layers")
+    init_layers: int = _f(2, "decoder layers of a built drafter")
+    copy_embeddings: bool = _f(True, "scratch: start from the target's embeddings and output head")
+    train_embeddings: bool = _f(False, "full fine-tuning: also train the (large) embeddings and output head")
+    data: str = _f("bfcl:simple_python,multiple,parallel,live_simple",
+                   "prompts: bfcl:<categories> or JSONL paths, comma-separated")
+    split: str = _f("id", "held-out split: id (a stable hash of each id) or category")
+    heldout_fraction: float = _f(0.2, "split by id: the share held out")
+    heldout_categories: str = _f("live_simple", "split by category: these categories are held out")
+    max_train_prompts: int = _f(240, "most training prompts")
+    max_heldout_prompts: int = _f(24, "most held-out prompts (evaluation)")
+    temperatures: str = _f("0", "the target's responses: greedy (0) and/or sampled at these temperatures")
+    max_new_tokens: int = _f(96, "most tokens of each target response")
+    verifier_url: str = _f("", "distil through an agentspec-verifier at this URL instead of a local target")
+    epochs: int = _f(3, "passes over the training responses")
+    batch_size: int = _f(8, "sequences per optimiser step")
+    lr: float = _f(5e-4, "peak learning rate")
+    warmup_steps: int = _f(10, "linear learning-rate warm-up steps")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_len: int = _f(768, "most tokens of prompt + response (prompts are cut from the left)")
+    kl_weight: float = _f(0.0, "> 0: add KL(target || drafter) on response tokens (a target pass per batch)")
+    draft_vocab: int = _f(8192, "> 0: the drafter's output head keeps this many token ids")
+    train_head: bool = _f(False, "draft vocab > 0, full fine-tuning: also train the reduced head's rows")
+    lora_rank: int = _f(0, "> 0: train LoRA adapters (peft) and merge them into the saved drafter")
+    checkpoint_every: int = _f(25, "steps between checkpoints (and always at the end)")
+    eval_ks: str = _f("2,4,8", "draft lengths to evaluate acceptance at, comma-separated")
+    eval_before: bool = _f(True, "also evaluate the untrained drafter")
+    device: str = _f("auto", "auto, cpu, cuda[:N] or mps")
+    dtype: str = _f("float32", "training dtype (bf16 is emulated on many CPUs; fp32 is faster there)")
+    eval_dtype: str = _f("bfloat16", "the dtype acceptance and speed-up are measured in")
+    seed: int = _f(0, "random seed")
+    threads: int = _f(0, "torch threads (0: torch's default)")
 
     def __post_init__(self) -> None:
         if self.init not in ("from-target", "scratch"):
@@ -77,13 +82,13 @@ class TrainConfig:
         return temps
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return asdict(self)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> TrainConfig:
         """A config from a JSON file (keys are the field names), then ``overrides``."""
         values = json.loads(Path(path).read_text())
-        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"{path}: unknown config keys {sorted(unknown)}")
         return cls(**{**values, **overrides})

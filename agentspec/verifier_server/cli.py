@@ -12,9 +12,11 @@ import gc
 import logging
 import math
 import os
+import socket
 import threading
 from dataclasses import dataclass
 
+from agentspec.cli import version
 from agentspec.verifier_server.config import ServerConfig, add_config_flags, config_from_flags, env
 
 log = logging.getLogger("agentspec.verifier")
@@ -23,6 +25,7 @@ log = logging.getLogger("agentspec.verifier")
 def build_parser() -> argparse.ArgumentParser:
     """The flags: the model and how to load it, where to listen, then one flag per :class:`ServerConfig`
     knob (generated from its fields, so the defaults live in one place)."""
+    from agentspec.models.loading import DTYPES  # (imports torch)
     p = argparse.ArgumentParser(prog="agentspec-verifier",
                                 description="Serve a target model for lossless speculative verification.")
     p.add_argument("model", nargs="?", default=env("model", None),
@@ -37,11 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; env AGENTSPEC_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=env("served_model_name", None),
                    help="the name(s) requests use for this target; the first is reported, the others are aliases")
-    p.add_argument("--dtype", default=env("dtype", "auto"), choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default=env("dtype", "auto"), choices=["auto", *DTYPES])
     p.add_argument("--device", default=env("device", "auto"), choices=["auto", "cuda", "mps", "cpu"])
     add_config_flags(p)
     p.add_argument("--allow-download", action="store_true", help="let hub ids download (off by default)")
     p.add_argument("--log-level", default=env("log_level", "info"))
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     return p
 
 
@@ -101,8 +105,14 @@ def build_engine(args: Args, load_now: bool = True):  # -> VerifierEngine
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bind the port, then serve while the model loads (``/health`` answers 503 until it is ready)."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    try:  # listen before the model loads: a taken port fails at once, naming it
+        sock = socket.create_server((args.host, args.port), family=family)
+    except OSError as e:
+        raise SystemExit(f"agentspec-verifier: cannot bind {args.host}:{args.port}: {e.strerror}") from None
     import uvicorn
 
     from agentspec.verifier_server.app import create_app
@@ -120,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         log.info("ready: %s on http://%s:%d", args.config.served_model_name, args.host, args.port)
 
     threading.Thread(target=load, daemon=True).start()
-    uvicorn.run(lazy, host=args.host, port=args.port, log_level=args.log_level.lower(), lifespan="off",
-                timeout_keep_alive=int(math.ceil(args.config.keep_alive_s)))
+    config = uvicorn.Config(lazy, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            lifespan="off", timeout_keep_alive=int(math.ceil(args.config.keep_alive_s)))
+    uvicorn.Server(config).run(sockets=[sock])  # serves on the socket bound above
     return 0
 
 

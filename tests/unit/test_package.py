@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,15 @@ def test_cli_help():
     for module in ("agentspec.cli", "agentspec.verifier_server"):
         out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "usage" in out.stdout
+
+
+def test_the_package_ships_py_typed():
+    import agentspec
+
+    root = Path(agentspec.__file__).parent
+    assert (root / "py.typed").is_file()
+    package_data = (root.parent / "pyproject.toml").read_text().split("[tool.setuptools.package-data]")[1]
+    assert '"py.typed"' in package_data.split("\n[")[0]  # shipped in wheels, not only in the checkout
 
 
 def test_served_model_names_and_aliases(monkeypatch):

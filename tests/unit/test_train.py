@@ -47,7 +47,8 @@ def test_config_validates_and_cli_builds_it(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"epochz": 5}))
     with pytest.raises(ValueError, match="epochz"):
         TrainConfig.from_file(tmp_path / "bad.json")
-    args = build_parser().parse_args(["train", "--target", "t", "--epochs", "2", "--eval-before", "false"])
+    args = build_parser().parse_args(["train", "--target", "t", "--output", "o", "--epochs", "2", "--eval-before",
+                                      "false"])
     assert (args.target, args.epochs, args.eval_before, args.lr) == ("t", 2, False, None)
 
 
