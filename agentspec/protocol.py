@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agentspec.toolcalls import flatten_content
 from agentspec.types import DraftProposal, SamplingParams, SparseDist, check_parents
 
 PROTOCOL_VERSION = 1
@@ -157,6 +158,7 @@ class OpenSession(_Strict):
             raise ValueError("prompt_ids must not be empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        self.messages = flatten_content(self.messages) if self.messages else self.messages
         if self.protocol_version != PROTOCOL_VERSION:
             raise ValueError(f"this server speaks protocol version {PROTOCOL_VERSION}")
         return self

@@ -175,6 +175,27 @@ def add_instruction(messages: list[dict[str, Any]], text: str) -> list[dict[str,
     return [{"role": "system", "content": text}, *messages]
 
 
+# Parts whose information travels elsewhere (tool calls in ``tool_calls``) or not at all (reasoning);
+# LangChain's ``output_version="v1"`` messages carry them in their content.
+_NOT_CONTENT = {"tool_call", "tool_call_chunk", "invalid_tool_call", "tool_use", "reasoning", "thinking"}
+
+
+def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each list of content parts (OpenAI's, LangChain's blocks) as one string, the text
+    parts joined by newlines; raises ValueError naming the message and part type for images, audio, files."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(parts := m.get("content"), list):
+            kinds = [p.get("type") if isinstance(p, dict) else "text" for p in parts]
+            if other := sorted({str(k) for k in kinds if k != "text" and k not in _NOT_CONTENT}):
+                raise ValueError(f"messages[{i}] ({m.get('role')}) has {', '.join(map(repr, other))} parts; "
+                                 "agentspec targets take text only: send text, or describe them in words")
+            m = {**m, "content": "\n".join(str(p.get("text") or "") if isinstance(p, dict) else str(p)
+                                           for p, k in zip(parts, kinds, strict=True) if k == "text")}
+        out.append(m)
+    return out
+
+
 def _first_marker(buf: str) -> tuple[int | None, str]:
     found = [(buf.find(m), m) for m in (OPEN_TAG, FENCE) if buf.find(m) >= 0]
     if not found:

@@ -38,10 +38,19 @@ class ResendPrefix(VerifierError):
     """The server lost or does not match the session (unknown, evicted, base_len mismatch): reopen it."""
 
 
+class ModelNotServed(VerifierError):
+    """The verifier serves no model of the requested name (HTTP 404 ``model_not_found``)."""
+
+
 class VerifierUnavailable(VerifierError):
     """The verifier could not be reached, timed out or failed (5xx) after the configured retries."""
 
     retryable = True
+
+
+def verifier_base(url: str) -> str:
+    """A verifier's base URL as given by users, OpenAI's ``.../v1`` (with or without a slash) included."""
+    return url.strip().rstrip("/").removesuffix("/v1")
 
 
 @dataclass
@@ -76,7 +85,7 @@ class HTTPTransport:
                  http2: bool = True) -> None:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
-        self.base_url, self.timeout = base_url.rstrip("/"), timeout
+        self.base_url, self.timeout = verifier_base(base_url), timeout
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_keepalive_connections=16, keepalive_expiry=KEEPALIVE_EXPIRY_S)
         settings: dict[str, Any] = {"base_url": self.base_url, "headers": headers, "timeout": timeout,
@@ -195,4 +204,5 @@ def _error_from(data: dict[str, Any], status: int) -> VerifierError:
     code = err.get("code")
     kind = VerifierUnavailable if status >= 500 or status == 429 else VerifierError
     kind = ResendPrefix if code in RESEND_PREFIX_CODES else kind
+    kind = ModelNotServed if code == "model_not_found" else kind
     return kind(message, status=status, code=code, body=err)

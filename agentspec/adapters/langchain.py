@@ -62,7 +62,8 @@ class ChatAgentSpec(BaseChatModel):
     model_config = ConfigDict(populate_by_name=True)
 
     model_name: str = Field(default="agentspec", alias="model")
-    """The verifier's ``--served-model-name``; reported as ``response_metadata["model_name"]``."""
+    """A name the verifier serves (sent with every request; unset: the verifier's own); reported as
+    ``response_metadata["model_name"]``."""
     base_url: str | list[str] | None = None
     api_key: SecretStr | None = Field(default_factory=secret_from_env("AGENTSPEC_API_KEY", default=None))
     temperature: float | None = None
@@ -183,7 +184,8 @@ class ChatAgentSpec(BaseChatModel):
                 # the same wishes as grammar for the drafters: they shape drafts, never the output
                 "tool_choice": choice.openai(),
                 "response_format": rf if isinstance(rf := kwargs.get("response_format"), dict) else None,
-                "model": model}  # a per-call override: the verifier checks it is one of its served names
+                # the per-call or configured name (unset: the verifier's own), one the verifier serves
+                "model": model or (self.model_name if "model_name" in self.model_fields_set else None)}
         return args, choice
 
     def _chunk(self, event: Any, choice: ToolChoice, model: str | None) -> ChatGenerationChunk | None:

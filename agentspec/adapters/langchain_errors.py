@@ -51,7 +51,7 @@ class VerifierPermissionDeniedError(VerifierError, ModelPermissionDeniedError):
 
 
 class VerifierNotFoundError(VerifierError, ModelNotFoundError):
-    """The verifier answered HTTP 404 (wrong ``base_url``?)."""
+    """The verifier answered HTTP 404: it does not serve ``model`` (or ``base_url`` is wrong)."""
 
 
 class VerifierInvalidRequestError(VerifierError, ModelInvalidRequestError):

@@ -19,7 +19,7 @@ from langchain_core.outputs import ChatGenerationChunk
 
 from agentspec.adapters.langchain_errors import ToolChoiceError
 from agentspec.client import FinalEvent, TextEvent, ToolCallEvent
-from agentspec.toolcalls import tool_choice_instruction
+from agentspec.toolcalls import flatten_content, tool_choice_instruction
 
 
 def to_chat_messages(messages: Sequence[BaseMessage], dict_arguments: bool = True) -> list[dict[str, Any]]:
@@ -29,10 +29,7 @@ def to_chat_messages(messages: Sequence[BaseMessage], dict_arguments: bool = Tru
     a JSON string would be quoted twice. Plain provider APIs (the litellm fallback) expect the string.
     """
     out = []
-    for m in convert_to_openai_messages(list(messages), text_format="string"):
-        content = m.get("content")
-        if isinstance(content, list):
-            m["content"] = _text_of(content, m["role"])
+    for m in flatten_content(convert_to_openai_messages(list(messages), text_format="string")):
         m["content"] = m["content"] or ""
         if dict_arguments:
             for call in m.get("tool_calls") or ():
@@ -40,26 +37,6 @@ def to_chat_messages(messages: Sequence[BaseMessage], dict_arguments: bool = Tru
                 fn["arguments"] = json.loads(fn["arguments"] or "{}")
         out.append(m)
     return out
-
-
-# Blocks whose information travels elsewhere (tool calls in ``tool_calls``) or not at all (reasoning):
-# ``output_version="v1"`` messages carry them in their content.
-_NOT_CONTENT = {"tool_call", "tool_call_chunk", "invalid_tool_call", "tool_use", "reasoning", "thinking"}
-
-
-def _text_of(blocks: list[Any], role: str) -> str:
-    """The text of a content-block list; raises ValueError for images, audio, files and the like."""
-    texts, other = [], set()
-    for b in blocks:
-        kind = b.get("type") if isinstance(b, dict) else "text"
-        if kind == "text":
-            texts.append(b["text"] if isinstance(b, dict) else str(b))
-        elif kind not in _NOT_CONTENT:
-            other.add(str(kind))
-    if other:
-        raise ValueError(f"agentspec targets take text only; a {role} message has {sorted(other)} content "
-                         "blocks. Send text, or describe the attachment in words.")
-    return "\n".join(texts)
 
 
 @dataclass(frozen=True)

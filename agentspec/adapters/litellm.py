@@ -111,7 +111,7 @@ class AgentSpecLLM(litellm.CustomLLM):
         events: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
 
         stream = client.astream(req.messages, req.tools, max_tokens=req.max_tokens, sampling=req.sampling,
-                                stop=req.stop, mode=req.mode)
+                                stop=req.stop, mode=req.mode, model=req.model)
         task = loop.create_task(_pump(stream, events.put_nowait))  # its errors are raised to the consumer below
         _background.add(task)
         task.add_done_callback(_background.discard)

@@ -13,7 +13,8 @@ from typing import Any
 
 import httpx
 
-from agentspec.toolcalls import add_instruction, tool_choice_instruction
+from agentspec.toolcalls import add_instruction, flatten_content, tool_choice_instruction
+from agentspec.transport import verifier_base
 from agentspec.types import SamplingParams
 
 _log = logging.getLogger("agentspec.litellm")
@@ -65,9 +66,12 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
     if rf and (rf.get("type") if isinstance(rf, dict) else rf) not in (None, "text"):
         raise bad("response_format is not supported by the agentspec provider; use tools instead")
     base = api_base or os.environ.get("AGENTSPEC_API_BASE") or DEFAULT_API_BASE
-    urls = tuple(_strip_v1(u) for u in base.split(",") if u.strip())
+    urls = tuple(verifier_base(u) for u in base.split(",") if u.strip())
     tools = params.pop("tools", None) or None
-    messages = [_plain(m) for m in messages]
+    try:
+        messages = flatten_content([_plain(m) for m in messages])  # before any instruction is added
+    except ValueError as e:
+        raise bad(str(e)) from e
     tools, messages = _apply_tool_choice(params.pop("tool_choice", None), tools, messages)
     stop = params.pop("stop", None) or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -117,19 +121,11 @@ def _plain(message: Any) -> dict[str, Any]:
     if hasattr(message, "model_dump"):
         message = message.model_dump()
     out = {k: v for k, v in dict(message).items() if v is not None and k != "provider_specific_fields"}
-    content = out.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        out["content"] = "".join(p.get("text", "") for p in content)  # text parts → the string templates expect
     if out.get("role") == "assistant" and "content" not in out:
         out["content"] = ""
     if out.get("tool_calls"):
         out["tool_calls"] = [_plain(c) for c in out["tool_calls"]]
     return out
-
-
-def _strip_v1(url: str) -> str:
-    url = url.strip().rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 def _seconds(timeout: Any) -> float | None:

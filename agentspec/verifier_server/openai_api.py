@@ -18,7 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from agentspec.protocol import Generate, OpenSession, Sampling
 from agentspec.text import IncrementalDecoder, StopStrings
-from agentspec.toolcalls import ToolCallParser, add_instruction, normalise_tools, tool_choice_instruction
+from agentspec.toolcalls import (
+    ToolCallParser,
+    add_instruction,
+    flatten_content,
+    normalise_tools,
+    tool_choice_instruction,
+)
 from agentspec.verifier_server.engine import VerifierEngine
 
 
@@ -52,7 +58,7 @@ class ChatRequest(BaseModel):
             if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
                 raise ValueError(f"messages[{i}].role {m['role']!r} is not one of system, developer, user, "
                                  "assistant, tool")
-        return v
+        return flatten_content(v)
 
     @field_validator("tools")
     @classmethod

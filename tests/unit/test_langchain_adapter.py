@@ -122,7 +122,9 @@ def test_call_arguments_reach_the_client(monkeypatch):
     assert client.calls[-1]["stop"] == ["!"] and client.calls[-1]["max_tokens"] == 3
     with pytest.raises(TypeError, match="unsupported call arguments"):
         model.invoke("hi", frequency_penalty=1.0)
-    assert client.calls[-1]["model"] is None  # no override: the session uses the verifier's served name
+    assert client.calls[-1]["model"] == "tiny"  # the configured name goes to the verifier, which checks it
+    ChatAgentSpec(base_url=URL).invoke("hi")
+    assert client.calls[-1]["model"] is None  # no name configured: the session uses the verifier's own
     model.invoke("hi", model="tiny-alias")  # an override goes to the verifier, which checks its served names
     assert client.calls[-1]["model"] == "tiny-alias"
     with pytest.raises(ValueError, match="non-empty string"):

@@ -47,7 +47,7 @@ def test_messages_become_plain_dicts():
 
     parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
     msgs = parse({}, messages=[parts, Message()]).messages
-    assert msgs[0] == {"role": "user", "content": "ab"}
+    assert msgs[0] == {"role": "user", "content": "a\nb"}  # text parts joined as everywhere (toolcalls)
     assert msgs[1] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
 
