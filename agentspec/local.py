@@ -1,16 +1,9 @@
 """In-process speculative generation: target + drafter + both KV caches, greedy and sampled.
 
-The verifier's scheduler (:mod:`agentspec.verifier_server.scheduler`) runs the same round step for its
-sessions, batched; this loop runs one sequence in the caller's process. One round:
-
-1. the drafter proposes a chain or tree from the committed tokens (:class:`DraftContext`);
-2. the target runs ONE forward pass over the committed tokens it has not cached yet (the previous
-   round's recovered/bonus token; the whole prompt in round one) followed by the draft nodes;
-3. :func:`agentspec.round_step.commit_round` accepts a path, appends the target's own next token, keeps
-   only the committed prefix plus the accepted path in the cache and stops at a stop token or the limit;
-4. a stop string in the decoded output ends generation too.
-
-With no drafter (or ``num_draft_tokens=0``) every round is a plain decoding step.
+One sequence in the caller's process, over the round step the verifier runs too
+(:mod:`agentspec.round_step`): draft (:class:`DraftContext`) → one target pass over the uncached committed
+tokens and the draft → commit (stop token, ``max_new_tokens``) → a stop string in the decoded output ends
+generation too. With no drafter (or ``num_draft_tokens=0``) every round is a plain decoding step.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""One verification round, the step both loops share: a proposal and the target's logits → committed tokens.
+"""One verification round, the step both loops share: pass inputs, the target's logits → committed tokens.
 
-The in-process loop (:class:`agentspec.local.SpecEngine`) and the verifier's batched scheduler
-(:mod:`agentspec.verifier_server.scheduler`) both run a round as:
-
-1. :func:`round_inputs` — the sequence's uncached committed tokens followed by the draft nodes, with a tree
-   mask and positions when the draft branches (or when the pass is batched);
-2. one target pass over them (:func:`agentspec.models.forward`, or ``forward_batch`` for several sequences);
-3. :func:`commit_round` — :mod:`agentspec.verify` accepts a path (greedy or sampled, chain or tree) and
-   appends the target's own next token (recovered after a rejection, bonus after a full accept); the KV
-   cache keeps the committed prefix plus the accepted path ("lengths are the truth"); the new tokens are
-   cut at a stop token or the sequence's token cap and appended.
-
-A sequence is anything with ``tokens``, ``num_cached``, ``cache`` and ``stop_token_ids`` (the local
-loop's ``_Sequence``, the server's :class:`~agentspec.verifier_server.kv_store.Session`).
+The in-process loop (:class:`agentspec.local.SpecEngine`) and the verifier (its scheduler batches
+sessions) both run: :func:`round_inputs` (uncached committed tokens + draft nodes, a tree mask where needed)
+→ one target pass → :func:`commit_round` (:mod:`agentspec.verify` accepts a path and appends the target's
+own token; the KV cache keeps the committed prefix plus that path; the tokens are cut at a stop token or
+the cap). A sequence is anything with ``tokens``, ``num_cached``, ``cache`` and ``stop_token_ids``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Committed tokens → text: incremental detokenising and stop strings, the one copy every surface uses.
-
-* :class:`IncrementalDecoder` turns each round's committed ids into the text they make final, holding
-  back a multi-byte character split across rounds (the verifier's replies, its OpenAI endpoint).
-* :class:`StopStrings` cuts streamed text at the first stop string and holds back a tail that may be
-  the start of one (the client, the OpenAI endpoint); :func:`stop_string_cut` finds the token count at
-  which decoded output first contains one (the in-process loop, which cuts tokens, not text).
-"""
+"""Committed tokens → text, the one copy every surface uses: :class:`IncrementalDecoder` (round deltas; a
+split multi-byte character waits), :class:`StopStrings` (streamed text cut at a stop string, a possible
+prefix held back) and :func:`stop_string_cut` (the in-process loop cuts tokens, not text)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The verifier's limits and knobs: one frozen :class:`ServerConfig`, the single source of their defaults.
-
-``agentspec-verifier``'s flags are generated from its fields (:func:`add_config_flags`), each with an
-environment fallback ``AGENTSPEC_<FLAG>``; :func:`config_from_flags` builds the config back from them.
-"""
+"""The verifier's limits and knobs: one frozen :class:`ServerConfig`, the single source of their defaults;
+the CLI's flags (env fallback ``AGENTSPEC_<FLAG>``) are generated from its fields and parsed back."""
 
 from __future__ import annotations
 
@@ -45,8 +42,7 @@ POSITIVE_INT = positive(int)
 
 def _flag(help: str, type: Callable[[str], Any] = POSITIVE_INT, name: str | None = None, scale: float = 1.0
           ) -> dict[str, Any]:
-    """CLI metadata of a field: its help, how to parse it, its flag name when not the field's, and the
-    factor from the flag's unit to the field's (``--batch-window-ms`` → seconds)."""
+    """CLI metadata of a field: help, parser, flag name if not the field's, flag-to-field unit factor."""
     return {"help": help, "type": type, "name": name, "scale": scale}
 
 
@@ -90,8 +86,7 @@ def _cli_fields() -> list[tuple[Any, str, dict[str, Any]]]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`ServerConfig` field with CLI metadata, defaulting to ``AGENTSPEC_<FLAG>`` or the
-    field's default."""
+    """One flag per :class:`ServerConfig` field with CLI metadata (default: its env var, else the field)."""
     for f, flag, meta in _cli_fields():
         shown = f.default / meta["scale"]
         shown = int(shown) if float(shown).is_integer() else shown

@@ -1,14 +1,10 @@
 """The verifier's engine: sessions, server-mode generation and the batched round pass, over one target.
 
-* Every model call (prefill, drafting, verification) runs on a single worker thread, so the model is
-  never used concurrently and rounds queue up naturally while a pass runs.
-* Rounds from concurrent requests reach :meth:`VerifierEngine.execute` in batches
-  (:class:`~agentspec.verifier_server.scheduler.BatchScheduler`): server-mode items draft first, then ONE
-  forward pass runs for all of them (:func:`agentspec.models.forward_batch`; a lone round takes the
-  unbatched path, exactly like the in-process loop), then each item's round is committed by the shared
-  step (:func:`agentspec.round_step.commit_round`). A fault in one item fails that item only.
-* A request: check ``base_len``, append the client's ``new_tokens``, then one round (edge mode: the
-  client's draft) or rounds until a stop or the limit (server / server-ar mode).
+Every model call runs on one worker thread (the model is never used concurrently). A request checks
+``base_len``, appends the client's ``new_tokens``, then runs one round (edge mode) or rounds until a stop
+or its limit (server / server-ar). Batches of rounds reach :meth:`VerifierEngine.execute`: server-mode
+items draft, ONE forward pass runs for all (a lone round takes the unbatched path, as the in-process loop
+does), and :func:`agentspec.round_step.commit_round` commits each; a fault in one item fails it alone.
 """
 
 from __future__ import annotations

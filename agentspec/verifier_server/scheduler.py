@@ -1,9 +1,8 @@
 """The verifier's round loop: rounds from concurrent requests, batched onto the one model thread.
 
-:class:`BatchScheduler` collects rounds while several sessions are active — until each has a round
-queued, ``max_batch_size``, or an adaptive window (a fraction of the measured pass) — and hands them to
-the engine's pass (:meth:`~agentspec.verifier_server.engine.VerifierEngine.execute`) as ONE batch; a lone
-client never waits. Each round's outcome (a reply, or that round's own error) goes back to its request.
+:class:`BatchScheduler` waits (an adaptive window; a lone client never waits) until every active session
+has a round queued or the batch is full, then runs them as ONE call of ``VerifierEngine.execute``; each
+round's outcome (a reply, or that round's own error) goes back to its request.
 """
 
 from __future__ import annotations
