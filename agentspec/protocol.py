@@ -247,6 +247,29 @@ class RoundReply(BaseModel):
     load: Load = Field(default_factory=Load)
 
 
+class Tokenize(_Strict):
+    """``POST /tokenize``: a ``prompt`` string, or chat ``messages`` (+ ``tools``) rendered with the target's
+    chat template (what the target will really see: LangChain's ``get_num_tokens`` counts with it)."""
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> Tokenize:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        self.messages = flatten_content(self.messages) if self.messages is not None else None
+        return self
+
+
+class Detokenize(_Strict):
+    """``POST /detokenize``: token ids back to text."""
+
+    tokens: list[TokenId]
+
+
 class SessionInfo(BaseModel):
     session_id: str
     prompt_ids: list[int]

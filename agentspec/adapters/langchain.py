@@ -88,6 +88,7 @@ class ChatAgentSpec(BaseChatModel):
     _async_clients: weakref.WeakKeyDictionary = PrivateAttr(default_factory=weakref.WeakKeyDictionary)
     _policy: ModePolicy | None = PrivateAttr(default=None)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _token_counts: dict[str, int] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> ChatAgentSpec:
@@ -226,6 +227,26 @@ class ChatAgentSpec(BaseChatModel):
             _reraise(e)
         finally:
             await events.aclose()
+
+    def get_num_tokens(self, text: str) -> int:
+        """Tokens of ``text`` in the target's own tokenizer (the verifier's ``/tokenize``; cached per text)."""
+        if text not in self._token_counts:
+            if len(self._token_counts) >= 4096:
+                self._token_counts.clear()
+            self._token_counts[text] = self._call_counter(text=text)
+        return self._token_counts[text]
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """Tokens of the prompt these messages (+ tools) make with the target's chat template."""
+        formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
+        return self._call_counter(messages=to_chat_messages(messages, dict_arguments=False), tools=formatted)
+
+    def _call_counter(self, **kwargs: Any) -> int:
+        try:
+            return self._client().count_tokens(**kwargs)
+        except Exception as e:
+            _reraise(e)
+            raise
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:

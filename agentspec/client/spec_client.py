@@ -25,7 +25,7 @@ from agentspec.drafters import make_drafter
 from agentspec.drafters.base import DraftContext, Drafter, remember_output
 from agentspec.drafters.copy import SuffixIndex
 from agentspec.drafters.replay import shadow_replays
-from agentspec.protocol import SERVER_DRAFTERS, RoundReply, SessionInfo
+from agentspec.protocol import SERVER_DRAFTERS, RoundReply, SessionInfo, Tokenize
 from agentspec.router import ModeConfig, ModePolicy
 from agentspec.transport import HTTPTransport, ResendPrefix, Timed, VerifierError, VerifierUnavailable
 from agentspec.types import SamplingParams
@@ -122,6 +122,15 @@ class SpecClient:
             final = ev
         assert isinstance(final, FinalEvent)
         return final
+
+    def count_tokens(self, text: str | None = None, messages: list[dict] | None = None,
+                     tools: list[dict] | None = None) -> int:
+        """Tokens the target sees for ``text``, or for chat ``messages`` (+ ``tools``) rendered with its chat
+        template, counted by the first verifier's tokenizer (``POST /tokenize``)."""
+        if not self.transports:
+            raise ValueError("counting tokens needs a verifier (the target's tokenizer lives there)")
+        body = Tokenize(prompt=text, messages=messages, tools=tools).to_wire()
+        return int(self.transports[0].post("/tokenize", body).body["count"])
 
     def close(self) -> None:
         for t in self.transports:

@@ -20,7 +20,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentspec.protocol import PROTOCOL_VERSION, Generate, OpenSession, ProtocolError, VerifyRound, error_body
+from agentspec import __version__
+from agentspec.protocol import (
+    PROTOCOL_VERSION,
+    Detokenize,
+    Generate,
+    OpenSession,
+    ProtocolError,
+    Tokenize,
+    VerifyRound,
+    error_body,
+)
 from agentspec.verifier_server.engine import VerifierEngine
 from agentspec.verifier_server.kv_store import key_owner
 from agentspec.verifier_server.openai_api import ChatRequest, chat_completion, stream_chunks
@@ -139,11 +149,45 @@ def create_app(engine: VerifierEngine) -> FastAPI:
                                      load.kv_cache_bytes / max(load.kv_cache_capacity_bytes, 1))
         return Response(body, media_type="text/plain; version=0.0.4")
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "agentspec",
+                "max_model_len": config.max_model_len}
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
         owner_of(request)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "agentspec",
-                                            "max_model_len": config.max_model_len} for name in config.served_names]}
+        return {"object": "list", "data": [model_card(name) for name in config.served_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> dict:
+        owner_of(request)
+        check_model(model_id)
+        return model_card(model_id)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__, "protocol_version": PROTOCOL_VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        _, req = await admit(request, Tokenize)
+        tok = engine.target.tokenizer
+        if req.messages is not None:
+            ids = engine.render(req.messages, req.tools, req.add_generation_prompt)
+        elif tok is None:
+            raise ProtocolError("this model has no tokenizer", param="prompt")
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=False)
+        return {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        _, req = await admit(request, Detokenize)
+        if engine.target.tokenizer is None:
+            raise ProtocolError("this model has no tokenizer", param="tokens")
+        if any(t >= engine.vocab_size for t in req.tokens):
+            raise ProtocolError(f"token ids must be below the vocabulary size {engine.vocab_size}", param="tokens")
+        return {"prompt": engine.target.tokenizer.decode(req.tokens)}
 
     # -- speculation API ---------------------------------------------------------------------------
 

@@ -136,3 +136,36 @@ def test_base_url_may_end_in_v1(srv, litellm_mod, answer, suffix):
     assert _spec(url, TEXT) == answer
     assert _chat(model="tiny", base_url=url).invoke(SAY).content == answer
     assert _lite(litellm_mod, url, TEXT).choices[0].message.content == answer
+
+
+def test_tokenize_detokenize_version_and_model_endpoints(srv, target):
+    """Item 8: the endpoints OpenAI-style and vLLM-style clients expect (all 404 on d3a7899)."""
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/tokenize", json={"prompt": "hello"})
+        assert r.status_code == 200 and r.json()["tokens"] == target.tokenizer.encode("hello", add_special_tokens=False)
+        assert r.json()["count"] == 5 and r.json()["max_model_len"] > 0
+        assert c.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"] == "hello"
+        rendered = c.post("/tokenize", json={"messages": PARTS}).json()
+        opened = c.post("/v1/spec/sessions", json={"messages": TEXT}).json()
+        assert rendered["tokens"] == opened["prompt_ids"]  # what a chat request really sends
+        for bad in ({"prompt": "a", "messages": TEXT}, {}, {"tokens": [10**9]}):
+            path = "/detokenize" if "tokens" in bad else "/tokenize"
+            assert c.post(path, json=bad).status_code == 400
+        assert c.get("/version").json()["version"]
+        assert c.get("/v1/models/tiny").json()["id"] == "tiny"
+        assert c.get(f"/v1/models/{ALIAS}").status_code == 200
+        assert c.get("/v1/models/gpt-9").json()["error"]["code"] == "model_not_found"
+
+
+def test_langchain_counts_tokens_with_the_targets_tokenizer(srv, target):
+    """Item 7: get_num_tokens used to fetch GPT-2's tokenizer from the hub (minutes offline, then 0)."""
+    from langchain_core.messages import AIMessage, SystemMessage, trim_messages
+
+    model = ChatAgentSpec(base_url=srv.url, mode="server-ar")
+    assert model.get_num_tokens("hello world") == len(target.tokenizer.encode("hello world",
+                                                                               add_special_tokens=False))
+    history = [SystemMessage("be brief"), HumanMessage("x" * 40), AIMessage("y" * 40), HumanMessage(SAY)]
+    full = model.get_num_tokens_from_messages(history)
+    assert full > 80
+    kept = trim_messages(history, max_tokens=full - 30, token_counter=model, strategy="last", include_system=True)
+    assert kept[0] == history[0] and kept[-1] == history[-1] and len(kept) < len(history)
