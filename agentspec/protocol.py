@@ -54,12 +54,19 @@ class _Strict(BaseModel):
 
 
 class Sampling(_Strict):
-    """Sampling settings of a round; temperature 0 is greedy (the default)."""
+    """Sampling settings of a round; temperature 0 is greedy (the default). ``logit_bias`` maps token ids
+    (JSON keys are strings, as in OpenAI's API) to biases; the penalties count this turn's generated
+    tokens; ``logprobs`` asks for each committed token's log-probability and that many top alternatives."""
 
     temperature: float = Field(0.0, ge=0.0, le=100.0)  # both bounded: nan and ±inf fail the bounds
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100.0, le=100.0)]] \
+        | None = Field(None, max_length=1024)
+    logprobs: int | None = Field(None, ge=0, le=20)
 
     @property
     def greedy(self) -> bool:
@@ -68,12 +75,28 @@ class Sampling(_Strict):
     @classmethod
     def from_params(cls, p: SamplingParams) -> Sampling:
         """The wire form of a request's sampling settings (``max_new_tokens`` and ``stop`` travel apart)."""
-        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed)
+        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                   presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                   logit_bias={str(t): b for t, b in p.logit_bias} or None, logprobs=p.logprobs)
 
     def to_params(self, **overrides: Any) -> SamplingParams:
         """The core :class:`SamplingParams`; ``overrides`` set the fields the wire does not carry here."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              logit_bias=tuple(sorted((int(t), b) for t, b in (self.logit_bias or {}).items())),
+                              logprobs=self.logprobs,
                               **overrides)
+
+    def check_against(self, vocab_size: int) -> None:
+        _check_vocab([int(t) for t in self.logit_bias or ()], vocab_size, "sampling.logit_bias")
+
+
+class TokenLogprob(BaseModel):
+    """A committed token's log-probability under the target and its top alternatives ``[[id, logprob]]``."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
 
 
 class SparseQ(_Strict):
@@ -187,6 +210,7 @@ class VerifyRound(_Strict):
             raise ProtocolError(f"draft has {len(self.draft.tokens)} tokens; this server allows at most "
                                 f"{max_draft_tokens} (--max-draft-tokens)", param="draft.tokens")
         _check_vocab(self.new_tokens, vocab_size, "new_tokens")
+        self.sampling.check_against(vocab_size)
         _check_vocab(self.draft.tokens, vocab_size, "draft.tokens")
         for i, dist in enumerate(self.draft.q or ()):
             _check_vocab(dist.ids, vocab_size, f"draft.q[{i}].ids")
@@ -211,6 +235,7 @@ class Generate(_Strict):
 
     def check_against(self, vocab_size: int, max_draft_tokens: int) -> None:
         _check_vocab(self.new_tokens, vocab_size, "new_tokens")
+        self.sampling.check_against(vocab_size)
         if self.num_draft_tokens is not None and self.num_draft_tokens > max_draft_tokens:
             raise ProtocolError(f"num_draft_tokens {self.num_draft_tokens} exceeds this server's "
                                 f"--max-draft-tokens {max_draft_tokens}", param="num_draft_tokens")
@@ -243,6 +268,7 @@ class RoundReply(BaseModel):
     finished: bool = False  # this request is over (a generate call may end at its own max_new_tokens)
     finish_reason: Literal["stop", "length"] | None = None
     session_finished: bool = False  # the session itself ended (stop token or its token limit)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the sampling settings ask
     timings: Timings = Field(default_factory=Timings)
     load: Load = Field(default_factory=Load)
 

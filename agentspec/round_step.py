@@ -16,11 +16,20 @@ import torch
 
 from agentspec import models
 from agentspec.types import DraftProposal, SamplingParams, VerifyResult
-from agentspec.verify import path_depth, sampling_probs, tree_attention, verify_greedy, verify_sampled
+from agentspec.verify import (
+    path_depth,
+    process_logits,
+    sampling_probs,
+    token_logprobs,
+    tree_attention,
+    verify_greedy,
+    verify_sampled,
+)
 
 
 class Sequence(Protocol):
     tokens: list[int]  # committed: prompt + generated
+    num_prompt_tokens: int  # tokens[num_prompt_tokens:] were generated (what penalties count)
     num_cached: int  # target KV positions, always a prefix of tokens
     cache: Any
     stop_token_ids: frozenset[int]
@@ -46,6 +55,7 @@ class RoundOutcome:
     finish_reason: str | None  # "stop" | "length" | None
     path_depth: int  # depth of the draft along the path the target took
     result: VerifyResult
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token, when params ask
 
 
 def round_inputs(seq: Sequence, proposal: DraftProposal, model: Any, batched: bool = False) -> RoundInputs:
@@ -72,6 +82,8 @@ def commit_round(seq: Sequence, proposal: DraftProposal, logits: torch.Tensor, n
     then one per draft node) and commit the result to ``seq``; ``cap`` is the most tokens ``seq.tokens`` may
     hold. A draft token past a stop token or the cap is never committed, and its KV position is dropped."""
     parents = proposal.parent_list()
+    raw = logits
+    logits = process_logits(logits, params, seq.tokens[seq.num_prompt_tokens :], proposal.tokens, parents)
     if params.greedy:
         result = verify_greedy(logits, proposal.tokens, parents, seq.stop_token_ids)
     else:
@@ -92,7 +104,11 @@ def commit_round(seq: Sequence, proposal: DraftProposal, logits: torch.Tensor, n
     if seq.num_cached > len(seq.tokens) - 1:  # accepted tokens cut by a stop/cap: the last one stays pending
         models.crop_cache(seq.cache, len(seq.tokens) - 1)
         seq.num_cached = len(seq.tokens) - 1
-    return RoundOutcome(new, result.num_accepted, finish, path_depth(parents, result), result)
+    logprobs = None
+    if params.logprobs is not None:  # output token j was chosen at the row after the path's (j - 1)th node
+        rows = [0, *(a + 1 for a in result.accepted_nodes)][: len(new)]
+        logprobs = token_logprobs(raw, rows, new, params.logprobs)
+    return RoundOutcome(new, result.num_accepted, finish, path_depth(parents, result), result, logprobs)
 
 
 def observe_round(policy: Any, proposal: DraftProposal, outcome: RoundOutcome, verify_s: float | None,

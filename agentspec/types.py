@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How the target picks tokens. ``temperature == 0`` means greedy.
 
-    The same processing (temperature, top-k, top-p) defines the target distribution that speculative
-    sampling reproduces exactly.
+    The same processing defines the target distribution that speculative decoding reproduces exactly:
+    ``logit_bias`` (token id → added to its logit) and the OpenAI presence/frequency penalties (over the
+    tokens generated so far, so each draft position gets its own prefix's), then temperature, top-k, top-p.
+    ``logprobs``: also return each chosen token's log-probability and that many top alternatives (the
+    target's own log-softmax, before any processing), ``None`` for none.
     """
 
     temperature: float = 0.0
@@ -24,6 +27,10 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -38,6 +45,21 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in
+                                                              self.logit_bias.items())))
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs (top alternatives per token) must be in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's logits are changed before temperature (biases or penalties)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ really drawn from (sparse: the drafter samples from a top-k-truncated distributi
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Sequence
 
 import torch
@@ -38,10 +39,59 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        drop = mass_before >= params.top_p
+        drop[..., 0] = False  # the most likely token always stays (a top_p below float32's range drops all)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int],
+                   draft_tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+    """Apply ``logit_bias`` and the presence/frequency penalties to a round's logit rows (float32 copy).
+
+    Row 0 follows the ``generated`` tokens, row ``i + 1`` follows them plus node i's root-to-node path, so
+    each row is penalised by its own prefix's counts exactly as plain decoding would penalise it: the
+    processed target is a function of the prefix and speculation stays lossless under it.
+    """
+    if not params.processes_logits:
+        return logits
+    out = logits.float().clone()
+    for tok, bias in params.logit_bias:
+        if tok < out.shape[-1]:
+            out[:, tok] += bias
+    pres, freq = params.presence_penalty, params.frequency_penalty
+    if pres == 0.0 and freq == 0.0:
+        return out
+    base = Counter(int(t) for t in generated)
+    if base:
+        ids = torch.tensor(list(base), dtype=torch.long)
+        counts = torch.tensor(list(base.values()), dtype=torch.float32)
+        out[:, ids] -= pres + freq * counts  # every row's prefix holds the generated tokens
+    paths: list[list[int]] = [[]]
+    for i, p in enumerate(parents):  # topological order: a parent's path is known before its children
+        paths.append([*paths[p + 1], int(draft_tokens[i])])
+    for row, path in enumerate(paths):
+        for tok, k in Counter(path).items():  # the extra occurrences the node's ancestors add
+            out[row, tok] -= (pres if tok not in base else 0.0) + freq * k
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int], top_n: int
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each committed token, its log-probability at ``logits[row]`` and the ``top_n`` most likely
+    alternatives there (the target's own log-softmax, before biases, penalties and temperature)."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits[list(rows)].float(), dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(list(tokens))].tolist()
+    if top_n:
+        top = torch.topk(lp, top_n, dim=-1)
+        alts = [list(zip(i, v, strict=True)) for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
+    else:
+        alts = [[] for _ in tokens]
+    return list(zip(chosen, alts, strict=True))
 
 
 def children_lists(parents: Sequence[int]) -> list[list[int]]:

@@ -31,6 +31,7 @@ from agentspec.protocol import (
     Sampling,
     SessionInfo,
     Timings,
+    TokenLogprob,
     VerifyRound,
 )
 from agentspec.round_step import commit_round, observe_round, round_inputs
@@ -295,6 +296,9 @@ class VerifierEngine:
         return RoundReply(session_id=s.id, accepted=min(out.num_accepted, len(new)), drafted=len(d),
                           tokens=new, text=text, committed_len=len(s.tokens),
                           finished=finish is not None, session_finished=session_done, finish_reason=finish,
+                          logprobs=None if out.logprobs is None else [
+                              TokenLogprob(token=t, logprob=lp, top=top) for t, (lp, top) in zip(new, out.logprobs,
+                                                                                                 strict=True)],
                           timings=Timings(queue_ms=queue_ms, verify_ms=verify_s * 1e3, draft_ms=draft_s * 1e3,
                                           batch_size=batch_size),
                           load=self.load())
