@@ -162,6 +162,16 @@ def tool_choice_instruction(tool_choice: str | dict[str, Any] | None, single: bo
     return text + (" Call exactly one function." if single else "")
 
 
+def response_format_instruction(response_format: dict[str, Any] | None) -> str | None:
+    """The instruction asking the target for a ``json_object``/``json_schema`` response format, if any."""
+    kind = (response_format or {}).get("type")
+    if kind not in ("json_object", "json_schema"):
+        return None
+    text = "Answer with one JSON object and nothing else."
+    schema = (response_format.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    return text + (f" It must match this JSON schema: {json.dumps(schema)}" if schema else "")
+
+
 def add_instruction(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
     """Append ``text`` to the leading system message (one is inserted if there is none).
 

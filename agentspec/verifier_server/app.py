@@ -10,7 +10,6 @@ import asyncio
 import hmac
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,9 +30,19 @@ from agentspec.protocol import (
     VerifyRound,
     error_body,
 )
+from agentspec.verifier_server.completions import completion, stream_completion
 from agentspec.verifier_server.engine import VerifierEngine
 from agentspec.verifier_server.kv_store import key_owner
+from agentspec.verifier_server.metrics import (
+    RequestStatsMiddleware,
+    current_request,
+    mark_failed,
+    sse_finish_reason,
+    track_model_jobs,
+)
 from agentspec.verifier_server.openai_api import ChatRequest, chat_completion, stream_chunks
+from agentspec.verifier_server.requests import CompletionRequest
+from agentspec.verifier_server.stats_log import StatsLogger
 
 log = logging.getLogger("agentspec.verifier")
 
@@ -46,6 +55,7 @@ def create_app(engine: VerifierEngine) -> FastAPI:
     """The ASGI app around a (possibly still loading) :class:`VerifierEngine`."""
     config = engine.config
     app = FastAPI(title="agentspec-verifier", version=str(PROTOCOL_VERSION), docs_url=None, redoc_url=None)
+    app.router.redirect_slashes = False  # "/health/" is a 404 naming the path, not a 307 to follow
     app.state.engine = engine
     keys = tuple(k.encode() for k in config.api_keys)
     too_large = f"request body is larger than this server's limit of {config.max_body_bytes} bytes"
@@ -84,23 +94,25 @@ def create_app(engine: VerifierEngine) -> FastAPI:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise ProtocolError(f"request body is not valid JSON: {e}", code="invalid_json") from e
+        except RecursionError:
+            raise ProtocolError("request body is nested too deeply", code="invalid_json") from None
         if not isinstance(data, dict):
             raise ProtocolError("request body must be a JSON object", code="invalid_json")
         try:
-            return owner, model.model_validate(data)
+            return owner, model.model_validate(data, strict=True)  # "1", true and "yes" are not 1 or True
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
 
     async def timed(coro: Any, endpoint: str) -> Any:
-        t0 = time.perf_counter()
+        """Await ``coro`` under the request timeout, tracking the request under ``endpoint`` (its latency
+        is observed by :class:`RequestStatsMiddleware` once the whole response is over)."""
+        if engine.metrics:
+            engine.metrics.admit(endpoint)
         try:
             return await asyncio.wait_for(coro, timeout=config.request_timeout_s)
         except asyncio.TimeoutError:
             raise ProtocolError(f"request took longer than {config.request_timeout_s:.0f} s", code="timeout",
                                 status=504) from None
-        finally:
-            if engine.metrics:
-                engine.metrics.request(endpoint, time.perf_counter() - t0)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in config.served_names:
@@ -128,13 +140,18 @@ def create_app(engine: VerifierEngine) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(e.detail), ERROR_TYPES.get(e.status_code, "invalid_request_error"),
-                                       code=str(e.status_code)), status_code=e.status_code)
+                                       code=str(e.status_code)), status_code=e.status_code, headers=e.headers)
 
     app.add_middleware(_InternalErrors)
+    # outermost: sees a streamed response to its last byte, or the client leave
+    stats = app.state.stats_logger = StatsLogger(engine, config.log_stats_interval_s)
+    app.add_middleware(RequestStatsMiddleware, on_request=stats.start)
+    if engine.metrics:
+        track_model_jobs(engine)
 
     # -- operations --------------------------------------------------------------------------------
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not engine.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
@@ -145,8 +162,7 @@ def create_app(engine: VerifierEngine) -> FastAPI:
         if engine.metrics is None:
             return Response(b"", media_type="text/plain")
         load = engine.load()
-        body = engine.metrics.render(load.running, load.waiting, load.sessions,
-                                     load.kv_cache_bytes / max(load.kv_cache_capacity_bytes, 1))
+        body = engine.metrics.render(load.sessions, load.kv_cache_bytes / max(load.kv_cache_capacity_bytes, 1))
         return Response(body, media_type="text/plain; version=0.0.4")
 
     def model_card(name: str) -> dict[str, Any]:
@@ -230,8 +246,10 @@ def create_app(engine: VerifierEngine) -> FastAPI:
                 async for reply in rounds:
                     yield (reply.model_dump_json() + "\n").encode()
             except ProtocolError as e:
+                mark_failed()
                 yield (json.dumps(error_body(e.message, code=e.code, param=e.param)) + "\n").encode()
             except Exception as e:  # the stream ends with an error line, never silently
+                mark_failed()
                 yield (json.dumps(_internal_error(request.url.path, e)) + "\n").encode()
             finally:
                 await rounds.aclose()
@@ -240,26 +258,45 @@ def create_app(engine: VerifierEngine) -> FastAPI:
 
     # -- OpenAI-compatible -------------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        owner, req = await admit(request, ChatRequest)
+    async def openai_answer(request: Request, req: Any, endpoint: str, complete: Any, stream: Any) -> Any:
+        """An OpenAI-style answer: the whole object, or an SSE stream whose first chunk is computed before
+        the response starts (so a refusal is still a 4xx) and whose failure ends it with an error event."""
         check_model(req.model)
+        owner, rec = request.state.owner, current_request()
         if not req.stream:
-            return await timed(chat_completion(engine, req, owner), "chat_completions")
-        chunks = stream_chunks(engine, req, owner)
-        first = await timed(chunks.__anext__(), "chat_completions")
+            result = await timed(complete(engine, req, owner), endpoint)
+            if rec is not None:  # the answer's own reason (tool_calls, a stop string), not the last round's
+                rec.finish_reason = result["choices"][0]["finish_reason"]
+            return result
+        chunks = stream(engine, req, owner)
+        first = await timed(chunks.__anext__(), endpoint)
 
         async def body() -> AsyncIterator[bytes]:
             yield first
             try:
                 async for c in chunks:
+                    reason = sse_finish_reason(c)
+                    if reason is not None and rec is not None:
+                        rec.finish_reason = reason
                     yield c
             except ProtocolError as e:
+                mark_failed()
                 yield f"data: {json.dumps(error_body(e.message, code=e.code, param=e.param))}\n\n".encode()
             except Exception as e:  # the stream ends with an error event, never silently
+                mark_failed()
                 yield f"data: {json.dumps(_internal_error(request.url.path, e))}\n\n".encode()
 
         return StreamingResponse(body(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        request.state.owner, req = await admit(request, ChatRequest)
+        return await openai_answer(request, req, "chat_completions", chat_completion, stream_chunks)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        request.state.owner, req = await admit(request, CompletionRequest)
+        return await openai_answer(request, req, "completions", completion, stream_completion)
 
     return app
 

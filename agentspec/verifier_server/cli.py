@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 from agentspec.cli import version
@@ -92,10 +93,18 @@ def build_engine(args: Args, load_now: bool = True):  # -> VerifierEngine
                                       allow_download=args.allow_download)
         return target, draft
 
+    log.info("loading model %s (dtype %s, device %s)%s", args.model, args.dtype, args.device,
+             f" with drafter {args.draft_model}" if args.draft_model else "")
+    t0 = time.perf_counter()
     target, draft = models.on_thread(thread, load)
+    t1 = time.perf_counter()
     engine = VerifierEngine(target, args.config, draft_model=draft, metrics=Metrics(args.config.served_model_name),
                             executor=thread)
     engine.warm_up()
+    params = sum(p.numel() for p in target.model.parameters())
+    log.info("loading model %s took %.1f s: %.3gM parameters, dtype %s, device %s (warm-up %.1f s)",
+             args.model, t1 - t0, params / 1e6, str(target.dtype).removeprefix("torch."), target.device,
+             time.perf_counter() - t1)
     # The loaded model is hundreds of thousands of Python objects that live as long as the server. Left in
     # the collected generations, every full collection walks them all (a 210-275 ms pause every 12-36
     # requests with SmolLM2-135M, measured), stalling whatever request is running; frozen, they are skipped.

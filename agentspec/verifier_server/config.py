@@ -73,6 +73,9 @@ class ServerConfig:
     keep_alive_s: float = field(default=75.0, metadata=_flag(
         "seconds an idle HTTP connection stays open (longer than clients keep theirs)", positive(float),
         "keep-alive"))
+    log_stats_interval_s: float = field(default=10.0, metadata=_flag(
+        "seconds between stats lines in the log (throughput, requests, KV use, acceptance); 0 disables", float,
+        "log-stats-interval"))
 
     @property
     def served_names(self) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from agentspec.protocol import RoundReply, Sampling
 from agentspec.types import DraftProposal
 from agentspec.verifier_server.kv_store import Session
+from agentspec.verifier_server.metrics import current_request
 
 
 @dataclass
@@ -30,6 +32,7 @@ class RoundItem:
     policy: Any = None  # the server-mode DraftLengthPolicy
     enqueued: float = field(default_factory=time.perf_counter)
     future: asyncio.Future | None = None
+    request: Any = None  # the HTTP request's metrics record (metrics.RequestRecord), if any
 
 
 @dataclass
@@ -76,15 +79,19 @@ class BatchScheduler:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
-            self._task = loop.create_task(self._loop())
+            # a fresh context: the loop serves every request, it must not carry the first one's metrics record
+            self._task = loop.create_task(self._loop(), context=contextvars.Context())
         item.future = loop.create_future()
         item.enqueued = time.perf_counter()
+        item.request = current_request()
         self._recent[item.session.id] = item.enqueued
         self._queue.append((item, limit))
         self._wake.set()
         outcome: ItemOutcome = await item.future
         if outcome.error is not None:
             raise outcome.error
+        if item.request is not None:
+            item.request.output(len(outcome.reply.tokens), outcome.reply.finish_reason)
         return outcome.reply
 
     async def _gather_company(self) -> None:
@@ -115,6 +122,8 @@ class BatchScheduler:
                 self.running = len(items)
                 for it in items:
                     it.session.busy += 1
+                    if it.request is not None:  # its first pass starts: a running request from now
+                        it.request.started()
                 t0 = time.perf_counter()
                 try:
                     outcomes = await self.engine.run_on_model(self.engine.execute, items, [b[1] for b in batch])

@@ -59,6 +59,9 @@ OPEN_CASES = {
     "empty messages": {"messages": []},
     "stop ids negative": {"prompt_ids": [2, 3], "stop_token_ids": [-3]},
     "wrong protocol version": {"prompt_ids": [2, 3], "protocol_version": 99},
+    "prompt ids as strings": {"prompt_ids": ["2", "3"]},
+    "prompt ids as booleans": {"prompt_ids": [True, 3]},
+    "max_new_tokens as a numeric string": {"prompt_ids": [2, 3], "max_new_tokens": "5"},
 }
 
 ROUND_CASES = {
@@ -99,6 +102,11 @@ ROUND_CASES = {
     "top_p zero": _round(sampling={"top_p": 0}),
     "top_k negative": _round(sampling={"top_k": -2}),
     "unknown sampling field": _round(sampling={"beam": 4}),
+    "logit_bias id >= vocab": _round(sampling={"logit_bias": {str(VOCAB): 1.0}}),
+    "logit_bias not an id": _round(sampling={"logit_bias": {"x": 1.0}}),
+    "logprobs > 20": _round(sampling={"logprobs": 21}),
+    "penalty out of range": _round(sampling={"frequency_penalty": 2.5}),
+    "temperature as a string": _round(sampling={"temperature": "0.5"}),
 }
 
 CHAT_CASES = {
@@ -119,6 +127,16 @@ CHAT_CASES = {
     "too many stops": {"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]},
     "unknown model": {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
     "seed >= 2**63": {"messages": [{"role": "user", "content": "x"}], "seed": 2**63},
+    "tool_choice function not an object": {"messages": [{"role": "user", "content": "x"}],
+                                           "tools": [{"type": "function", "function": {"name": "f"}}],
+                                           "tool_choice": {"function": 5}},
+    "tool_choice name a list": {"messages": [{"role": "user", "content": "x"}],
+                                "tools": [{"type": "function", "function": {"name": "f"}}],
+                                "tool_choice": {"type": "function", "function": {"name": ["f"]}}},
+    "content a number": {"messages": [{"role": "user", "content": 5}]},
+    "stream as a string": {"messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+    "max_tokens as a string": {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"},
+    "unsupported parameter": {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1.2},
 }
 
 
@@ -165,6 +183,31 @@ def test_malformed_json(client, session, body, path):
     r = client.post(path.format(sid=session), content=body, headers={"content-type": "application/json"})
     _assert_4xx(r)
     _still_serving(client, session)
+
+
+def test_deeply_nested_json_is_a_400(client, session):
+    r = client.post("/v1/chat/completions", content=b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+    _still_serving(client, session)
+
+
+def test_tiny_top_p_keeps_the_most_likely_token(client, session):
+    """top_p below float32's range used to mask every token (multinomial on NaNs: a 500)."""
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                  "temperature": 1.0, "top_p": 1e-300, "max_tokens": 4})
+    greedy = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                       "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+    _still_serving(client, session)
+
+
+def test_paths_and_methods(client):
+    assert client.head("/health").status_code == 200
+    assert client.get("/health/").status_code == 404  # no redirect to follow
+    r = client.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
 
 
 def test_huge_body_is_413(client, session):
