@@ -34,7 +34,8 @@ class RoundEvent:
 
 @dataclass
 class GenerationResult:
-    """A finished generation: generated token ids (prompt excluded), why it ended, and its statistics."""
+    """A finished generation: generated token ids (prompt excluded; a final stop token included), why it
+    ended, its statistics, and ``text``: the tokens' text without the stop token."""
 
     tokens: list[int]
     finish_reason: str
@@ -101,7 +102,8 @@ class SpecEngine:
         for event in self.stream(prompt_ids, params, stats=stats, **kwargs):
             tokens.extend(event.tokens)
             finish = event.finish_reason or finish
-        text = self.target.tokenizer.decode(tokens) if self.target.tokenizer is not None else None
+        shown = tokens[:-1] if finish == "stop" and tokens and tokens[-1] in self.stop_token_ids else tokens
+        text = self.target.tokenizer.decode(shown) if self.target.tokenizer is not None else None
         return GenerationResult(tokens, finish, stats, len(prompt_ids), text)
 
     def stream(

@@ -181,3 +181,11 @@ def test_stop_string(target, references):
     assert result.text.endswith(stop) and stop not in result.text[:-len(stop)]
     assert result.tokens == references[2][: len(result.tokens)]
     assert result.stats.emitted == len(result.tokens)  # statistics count only what was returned
+
+
+def test_text_leaves_out_the_stop_token(target, references):
+    stop_at = references[1][5]
+    engine = SpecEngine(target, ModelDrafter(target), num_draft_tokens=4, stop_token_ids=[stop_at])
+    result = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=MAX_NEW))
+    assert result.finish_reason == "stop" and result.tokens[-1] == stop_at
+    assert result.text == target.tokenizer.decode(result.tokens[:-1])
