@@ -47,7 +47,7 @@ from agentspec.verifier_server.stats_log import StatsLogger
 log = logging.getLogger("agentspec.verifier")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
                503: "server_busy_error", 504: "timeout_error"}
 
 
@@ -84,11 +84,16 @@ def create_app(engine: VerifierEngine) -> FastAPI:
         if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
             raise ProtocolError(too_large, code="body_too_large", status=413)
         chunks, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > config.max_body_bytes:
-                raise ProtocolError(too_large, code="body_too_large", status=413)
-            chunks.append(part)
+        try:
+            async with asyncio.timeout(config.body_timeout_s):  # a body that stalls must not hold a slot
+                async for part in request.stream():
+                    size += len(part)
+                    if size > config.max_body_bytes:
+                        raise ProtocolError(too_large, code="body_too_large", status=413)
+                    chunks.append(part)
+        except TimeoutError:
+            raise ProtocolError(f"the request body did not arrive within {config.body_timeout_s:g} s "
+                                "(--body-timeout)", code="request_timeout", status=408) from None
         body = b"".join(chunks)
         try:
             data = json.loads(body)

@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=env("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("port", 8000)))
     p.add_argument("--api-key", action="append", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; env AGENTSPEC_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; env AGENTSPEC_API_KEY, "
+                        "comma-separated). A key on the command line shows in the process list: prefer "
+                        "--api-key-file or the env var")
+    p.add_argument("--api-key-file", default=env("api_key_file", None),
+                   help="a file with one API key per line (blank lines and # comments skipped)")
     p.add_argument("--served-model-name", nargs="+", default=env("served_model_name", None),
                    help="the name(s) requests use for this target; the first is reported, the others are aliases")
     p.add_argument("--dtype", default=env("dtype", "auto"), choices=["auto", *DTYPES])
@@ -70,7 +74,15 @@ def parse_args(argv: list[str] | None = None) -> Args:
     model = a.model_flag or a.model
     if not model:
         parser.error("MODEL is required (positional, --model or AGENTSPEC_MODEL)")
-    keys = a.api_key or [k for k in str(env("api_key", "")).split(",") if k]
+    keys = a.api_key or [k.strip() for k in str(env("api_key", "")).split(",") if k.strip()]
+    if a.api_key_file:
+        try:
+            with open(a.api_key_file) as f:
+                keys += [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+        except OSError as e:
+            parser.error(f"--api-key-file {a.api_key_file}: {e.strerror}")
+        if not keys:
+            parser.error(f"--api-key-file {a.api_key_file} holds no key")
     names = a.served_model_name.split() if isinstance(a.served_model_name, str) else list(a.served_model_name or [])
     config = config_from_flags(a, served_model_name=names[0] if names else model, model_aliases=tuple(names[1:]),
                                api_keys=tuple(keys))
@@ -122,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         sock = socket.create_server((args.host, args.port), family=family)
     except OSError as e:
         raise SystemExit(f"agentspec-verifier: cannot bind {args.host}:{args.port}: {e.strerror}") from None
+    if not args.config.api_keys:
+        log.warning("no API key set: anyone who can reach %s:%d can use this verifier and its sessions; "
+                    "set --api-key-file or AGENTSPEC_API_KEY", args.host, args.port)
+    raise_fd_limit(args.config.max_connections)
+    logging.getLogger("asyncio").addFilter(RepeatFilter())
     import uvicorn
 
     from agentspec.verifier_server.app import create_app
@@ -140,9 +157,48 @@ def main(argv: list[str] | None = None) -> int:
 
     threading.Thread(target=load, daemon=True).start()
     config = uvicorn.Config(lazy, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            lifespan="off", timeout_keep_alive=int(math.ceil(args.config.keep_alive_s)))
+                            lifespan="off", **args.config.uvicorn_options())
     uvicorn.Server(config).run(sockets=[sock])  # serves on the socket bound above
     return 0
+
+
+def raise_fd_limit(connections: int) -> None:
+    """Raise the soft open-file limit to the hard one: each connection holds a descriptor, and running out
+    makes the accept loop fail (and log) on every new connection. Warn if it still cannot hold them all."""
+    try:
+        import resource
+    except ImportError:  # not on this platform (Windows)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < connections + 64:
+        log.warning("the open-file limit (%d) is below --max-connections %d plus the server's own files; "
+                    "raise it (ulimit -n) or lower --max-connections", soft, connections)
+
+
+class RepeatFilter(logging.Filter):
+    """Let one record of a repeated message through per ``window_s`` (the accept loop logs every failed
+    accept: without this, fd exhaustion floods the log with thousands of identical lines a second)."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        super().__init__()
+        self.window_s, self.last = window_s, {}
+        self.dropped: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key, now = f"{record.name}:{record.msg}", time.monotonic()
+        if now - self.last.get(key, -math.inf) < self.window_s:
+            self.dropped[key] = self.dropped.get(key, 0) + 1
+            return False
+        if n := self.dropped.pop(key, 0):
+            record.msg = f"{record.msg} (and {n} more like it in the last {self.window_s:.0f} s)"
+        self.last[key] = now
+        return True
 
 
 if __name__ == "__main__":

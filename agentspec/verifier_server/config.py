@@ -4,6 +4,7 @@ the CLI's flags (env fallback ``AGENTSPEC_<FLAG>``) are generated from its field
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from collections.abc import Callable
@@ -73,9 +74,17 @@ class ServerConfig:
     keep_alive_s: float = field(default=75.0, metadata=_flag(
         "seconds an idle HTTP connection stays open (longer than clients keep theirs)", positive(float),
         "keep-alive"))
+    max_connections: int = field(default=1024, metadata=_flag(
+        "most concurrent HTTP connections; beyond it new requests get a 503 (the fd limit is raised to fit)"))
+    body_timeout_s: float = field(default=30.0, metadata=_flag(
+        "seconds a request body may take to arrive before a 408", positive(float), "body-timeout"))
     log_stats_interval_s: float = field(default=10.0, metadata=_flag(
         "seconds between stats lines in the log (throughput, requests, KV use, acceptance); 0 disables", float,
         "log-stats-interval"))
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """The HTTP server's settings these limits imply (the CLI and :class:`LocalVerifier` share them)."""
+        return {"timeout_keep_alive": int(math.ceil(self.keep_alive_s)), "limit_concurrency": self.max_connections}
 
     @property
     def served_names(self) -> tuple[str, ...]:

@@ -9,7 +9,6 @@ second process holding a second copy of the model::
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ class LocalVerifier:
         if warm:
             self.engine.warm_up()
         cfg = uvicorn.Config(create_app(self.engine), host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                             timeout_keep_alive=int(math.ceil(config.keep_alive_s)))
+                             **config.uvicorn_options())
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="agentspec-verifier")
         self.url = ""

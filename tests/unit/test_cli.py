@@ -125,3 +125,40 @@ def test_demo_with_a_bad_model_prints_one_paragraph():
     assert err.startswith("agentspec demo: could not load model 'no-such-model'")
     assert "--allow-download" in err
     assert "Traceback" not in err and "\n" not in err
+
+
+def test_api_key_file_and_env(tmp_path, monkeypatch, capsys):
+    keys = tmp_path / "keys"
+    keys.write_text("# operators\nalpha\n\n  beta  \n")
+    args = verifier_cli.parse_args(["m", "--api-key-file", str(keys)])
+    assert args.config.api_keys == ("alpha", "beta")
+    monkeypatch.setenv("AGENTSPEC_API_KEY", "one, two")
+    assert verifier_cli.parse_args(["m"]).config.api_keys == ("one", "two")
+    monkeypatch.delenv("AGENTSPEC_API_KEY")
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n")
+    for bad in (str(empty), str(tmp_path / "missing")):
+        with pytest.raises(SystemExit):
+            verifier_cli.parse_args(["m", "--api-key-file", bad])
+        assert "--api-key-file" in capsys.readouterr().err
+
+
+def test_repeated_log_lines_are_collapsed():
+    import logging
+
+    f = verifier_cli.RepeatFilter(window_s=60)
+    rec = lambda: logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "accept failed: too many files", (), None)  # noqa: E731
+    assert [f.filter(rec()) for _ in range(1000)].count(True) == 1
+    other = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "something else", (), None)
+    assert f.filter(other)
+
+
+def test_fd_limit_is_raised_to_the_hard_limit():
+    resource = pytest.importorskip("resource", reason="no rlimits on this platform")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        verifier_cli.raise_fd_limit(100)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

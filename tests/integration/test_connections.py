@@ -1,0 +1,44 @@
+"""Slow and greedy clients: a body that stalls is cut with a 408, connections beyond --max-connections get
+a 503 and the server goes on serving the others."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.integration.server import LoopbackServer, config
+
+pytestmark = pytest.mark.integration
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def test_a_stalled_body_gets_a_408_and_others_are_served(target):
+    with LoopbackServer(target, config(body_timeout_s=0.5)) as srv:
+        s = _connect(srv.url)
+        s.sendall(b"POST /v1/spec/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt_ids\"")  # 87 bytes short, then silence
+        t0 = time.monotonic()
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200  # not blocked meanwhile
+        reply = s.recv(4096).decode()
+        assert reply.startswith("HTTP/1.1 408") and "--body-timeout" in reply, reply
+        assert time.monotonic() - t0 < 5
+        s.close()
+
+
+def test_connections_beyond_the_cap_get_a_503(target):
+    with LoopbackServer(target, config(max_connections=3)) as srv:
+        idle = [_connect(srv.url) for _ in range(3)]
+        time.sleep(0.2)  # let the server accept them
+        r = httpx.get(srv.url + "/health", timeout=10)
+        assert r.status_code == 503
+        for s in idle:
+            s.close()
+        time.sleep(0.2)
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
