@@ -123,11 +123,11 @@ class KVStore:
         Room for the whole prompt's KV is made *before* the prefill (never evicting the prefix donor), so
         the cap holds while the new cache grows."""
         with self._lock:
-            self._make_room_for_session()
+            self._make_room_for_session(owner)
             donor, reuse = self._best_prefix(owner, tokens)
             need = self.bytes_per_token * len(tokens)
             if need:
-                self._evict_until(self.capacity_bytes - need, keep=donor.id if donor is not None else None)
+                self._evict_until(self.capacity_bytes - need, owner, keep=donor.id if donor is not None else None)
             cache = models.new_cache(self.model)
             if donor is not None and reuse > 0:
                 cache = models.copy_cache_prefix(self.model, donor.cache, reuse)
@@ -161,7 +161,7 @@ class KVStore:
             nbytes = models.cache_nbytes(session.cache)
             self._churn += max(session.nbytes, nbytes)  # what this round (or a chunked prefill) freed, roughly
             session.nbytes = nbytes
-            evicted = self._evict_until(self.capacity_bytes, keep=session.id)
+            evicted = self._evict_until(self.capacity_bytes, session.owner, keep=session.id)
             if not evicted and self.trim_every_bytes is not None and self._churn > self.trim_every_bytes:
                 rss = rss_bytes()
                 if self.rss_soft_limit is None or rss is None or rss > self.rss_soft_limit:
@@ -183,20 +183,22 @@ class KVStore:
                 best, best_len = s, n
         return best, best_len
 
-    def _make_room_for_session(self) -> None:
+    def _make_room_for_session(self, owner: str) -> None:
         while len(self._sessions) >= self.max_sessions:
-            victim = self._victim()
+            victim = self._victim(owner)
             if victim is None:
-                raise ProtocolError(f"all {self.max_sessions} sessions are busy (--max-sessions); retry shortly",
-                                    code="server_busy", status=503)
+                mine = sum(s.owner == owner and not s.closed for s in self._sessions.values())
+                raise ProtocolError(f"all {self.max_sessions} sessions (--max-sessions) are busy or other API "
+                                    f"keys' fair share (this key holds {mine} open); close sessions you no longer "
+                                    "need, or retry shortly", code="server_busy", status=503)
             self._evict(victim)
 
-    def _evict_until(self, capacity: int, keep: str | None = None) -> bool:
-        """Evict LRU sessions (closed ones first) until the KV bytes fit ``capacity``; True if any went."""
+    def _evict_until(self, capacity: int, owner: str, keep: str | None = None) -> bool:
+        """Evict sessions (see :meth:`_victim`) until the KV bytes fit ``capacity``; True if any went."""
         used = self.used_bytes
         evicted = False
         while used > capacity:
-            victim = self._victim(keep)
+            victim = self._victim(owner, keep)
             if victim is None:
                 break  # only busy sessions left: they finish their round, then become evictable
             used -= victim.nbytes
@@ -207,9 +209,30 @@ class KVStore:
             self._churn = 0
         return evicted
 
-    def _victim(self, keep: str | None = None) -> Session | None:
+    def _victim(self, owner: str, keep: str | None = None) -> Session | None:
+        """The session to evict to make room for ``owner`` (fair between API keys, LRU within one).
+
+        Closed sessions (reusable prefixes only) go first: ``owner``'s own, then those of the key holding
+        the most KV bytes. Then ``owner``'s own idle open sessions. Another key's open session goes only
+        while that key holds more than its fair share (``max_sessions`` or the KV cap split evenly over
+        the keys with open sessions), so one key's flood evicts its own sessions, not a quiet tenant's."""
         idle = [s for s in self._sessions.values() if not s.busy and s.id != keep]  # LRU order
-        return next((s for s in idle if s.closed), idle[0] if idle else None)
+        closed = [s for s in idle if s.closed]
+        held: dict[str, list[int]] = {}  # owner -> [open sessions, bytes]
+        for s in self._sessions.values():
+            h = held.setdefault(s.owner, [0, 0])
+            h[0] += not s.closed
+            h[1] += s.nbytes
+        if closed:
+            mine = [s for s in closed if s.owner == owner]
+            return mine[0] if mine else max(closed, key=lambda s: held[s.owner][1])
+        mine = [s for s in idle if s.owner == owner]
+        if mine:
+            return mine[0]
+        keys = len({o for o, h in held.items() if h[0]} | {owner})
+        over = [s for s in idle if held[s.owner][0] > self.max_sessions / keys
+                or held[s.owner][1] > self.capacity_bytes / keys]
+        return max(over, key=lambda s: held[s.owner][1]) if over else None
 
     def _evict(self, s: Session) -> None:
         self._sessions.pop(s.id, None)

@@ -126,9 +126,9 @@ def test_a_failed_round_fails_its_item_only_and_leaves_its_session_as_it_was(tar
     cached, tokens = bad.num_cached, list(bad.tokens)
     if fault == "draft":
         item = RoundItem(bad, DraftProposal(), Sampling(), _Raises(), 2)
-    else:  # a sampled round whose nucleus keeps no token: sampling raises after the pass appended KV
-        draft = DraftProposal(tuple(refs[0][:3]), draft_probs=tuple(SparseDist.point(t) for t in refs[0][:3]))
-        item = RoundItem(bad, draft, Sampling(temperature=1.0, top_p=1e-300))
+    else:  # a sampled draft whose proposal misses its own token: verify raises after the pass appended KV
+        draft = DraftProposal(tuple(refs[0][:3]), draft_probs=tuple(SparseDist.point(t + 1) for t in refs[0][:3]))
+        item = RoundItem(bad, draft, Sampling(temperature=1.0))
     others = [RoundItem(s, DraftProposal(tuple(r[:2])), Sampling()) for s, r in zip(sessions[1:], refs[1:],
                                                                                    strict=True)]
     outcomes = engine.execute([item, *others], [None] * 3)
