@@ -41,6 +41,7 @@ from agentspec.verifier_server.metrics import (
     track_model_jobs,
 )
 from agentspec.verifier_server.openai_api import ChatRequest, chat_completion, stream_chunks
+from agentspec.verifier_server.openapi import document
 from agentspec.verifier_server.requests import CompletionRequest
 from agentspec.verifier_server.stats_log import StatsLogger
 
@@ -156,11 +157,13 @@ def create_app(engine: VerifierEngine) -> FastAPI:
 
     # -- operations --------------------------------------------------------------------------------
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     async def health() -> Response:
         if not engine.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok", "model": config.served_model_name})
+
+    app.head("/health", include_in_schema=False)(health)  # load balancers probe with HEAD
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -303,6 +306,10 @@ def create_app(engine: VerifierEngine) -> FastAPI:
         request.state.owner, req = await admit(request, CompletionRequest)
         return await openai_answer(request, req, "completions", completion, stream_completion)
 
+    document(app, {"/tokenize": Tokenize, "/detokenize": Detokenize, "/v1/spec/sessions": OpenSession,
+                   "/v1/spec/sessions/{session_id}/rounds": VerifyRound,
+                   "/v1/spec/sessions/{session_id}/generate": Generate, "/v1/chat/completions": ChatRequest,
+                   "/v1/completions": CompletionRequest})
     return app
 
 

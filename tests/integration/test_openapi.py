@@ -1,0 +1,49 @@
+"""The served OpenAPI describes the real API: every POST's body, the 4xx/5xx errors in the OpenAI envelope,
+the non-JSON media types, and only references that resolve — so clients generated from it can call it."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.server import LoopbackServer, config
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def spec(target):
+    with LoopbackServer(target, config()) as srv:
+        yield httpx.get(srv.url + "/openapi.json", timeout=30).json()
+
+
+def _refs(node):
+    if isinstance(node, dict):
+        if "$ref" in node:
+            yield node["$ref"]
+        for v in node.values():
+            yield from _refs(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _refs(v)
+
+
+def test_every_post_declares_its_body_and_errors(spec):
+    posts = {p: ops["post"] for p, ops in spec["paths"].items() if "post" in ops}
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/spec/sessions", "/tokenize"} <= set(posts)
+    for path, op in posts.items():
+        body = op["requestBody"]["content"]["application/json"]["schema"]
+        assert body["$ref"].startswith("#/components/schemas/"), path
+        assert {"400", "401", "503"} <= set(op["responses"]) and "422" not in op["responses"], path
+
+
+def test_references_resolve_and_media_types_are_real(spec):
+    schemas = spec["components"]["schemas"]
+    for ref in _refs(spec):
+        assert ref.removeprefix("#/components/schemas/") in schemas, ref
+    chat = schemas["ChatRequest"]["properties"]
+    assert {"messages", "tools", "logprobs", "logit_bias"} <= set(chat)
+    assert "text/plain" in spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    gen = spec["paths"]["/v1/spec/sessions/{session_id}/generate"]["post"]["responses"]["200"]["content"]
+    assert "application/x-ndjson" in gen
+    assert "get" in spec["paths"]["/health"]
