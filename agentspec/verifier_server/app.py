@@ -47,6 +47,7 @@ from agentspec.verifier_server.stats_log import StatsLogger
 
 log = logging.getLogger("agentspec.verifier")
 
+DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
                503: "server_busy_error", 504: "timeout_error"}
@@ -109,16 +110,25 @@ def create_app(engine: VerifierEngine) -> FastAPI:
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
 
-    async def timed(coro: Any, endpoint: str) -> Any:
+    async def timed(coro: Any, endpoint: str, request: Request | None = None) -> Any:
         """Await ``coro`` under the request timeout, tracking the request under ``endpoint`` (its latency
-        is observed by :class:`RequestStatsMiddleware` once the whole response is over)."""
+        is observed by :class:`RequestStatsMiddleware` once the whole response is over). With ``request``,
+        the work is cancelled as soon as its client disconnects: nobody would read the answer."""
         if engine.metrics:
             engine.metrics.admit(endpoint)
+        task = asyncio.ensure_future(asyncio.wait_for(coro, timeout=config.request_timeout_s))
         try:
-            return await asyncio.wait_for(coro, timeout=config.request_timeout_s)
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S if request else None)
+                if done:
+                    return task.result()
+                if request is not None and await request.is_disconnected():
+                    raise ProtocolError("the client closed the connection", code="client_closed", status=499)
         except asyncio.TimeoutError:
             raise ProtocolError(f"request took longer than {config.request_timeout_s:.0f} s", code="timeout",
                                 status=504) from None
+        finally:
+            task.cancel()
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in config.served_names:
@@ -219,7 +229,7 @@ def create_app(engine: VerifierEngine) -> FastAPI:
     async def open_session(request: Request) -> dict:
         owner, req = await admit(request, OpenSession)
         check_model(req.model)
-        info = await timed(engine.open_session(req, owner), "open_session")
+        info = await timed(engine.open_session(req, owner), "open_session", request)
         return info.model_dump()
 
     @app.get("/v1/spec/sessions/{session_id}")
@@ -237,7 +247,7 @@ def create_app(engine: VerifierEngine) -> FastAPI:
     async def verify_round(session_id: str, request: Request) -> dict:
         owner, req = await admit(request, VerifyRound)
         session = engine.store.get(session_id, owner)
-        reply = await timed(engine.verify_round(session, req), "round")
+        reply = await timed(engine.verify_round(session, req), "round", request)
         return reply.model_dump()
 
     @app.post("/v1/spec/sessions/{session_id}/generate")
@@ -272,7 +282,7 @@ def create_app(engine: VerifierEngine) -> FastAPI:
         check_model(req.model)
         owner, rec = request.state.owner, current_request()
         if not req.stream:
-            result = await timed(complete(engine, req, owner), endpoint)
+            result = await timed(complete(engine, req, owner), endpoint, request)
             if rec is not None:  # the answer's own reason (tool_calls, a stop string), not the last round's
                 rec.finish_reason = result["choices"][0]["finish_reason"]
             return result

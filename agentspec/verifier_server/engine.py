@@ -124,7 +124,7 @@ class VerifierEngine:
         max_new = min(req.max_new_tokens or room, room)
         stops = frozenset(req.stop_token_ids if req.stop_token_ids is not None else self.target.eos_token_ids)
         t0 = time.perf_counter()
-        session, reused = await self.run_on_model(self._create_and_prefill, owner, ids, max_new, stops)
+        session, reused = await self._create_and_prefill(owner, ids, max_new, stops)
         session.structure = (req.tools, req.tool_choice, req.response_format)
         session.decoder = self._decoder()
         if self.metrics:
@@ -132,20 +132,34 @@ class VerifierEngine:
         return self.info(session, reused_tokens=reused, prefill_ms=(time.perf_counter() - t0) * 1e3,
                          model=req.model or self.config.served_model_name)
 
-    def _create_and_prefill(self, owner: str, ids: list[int], max_new: int, stops: frozenset[int]
-                            ) -> tuple[Session, int]:
-        session, reused = self.store.create(owner, ids, max_new, stops)
+    async def _create_and_prefill(self, owner: str, ids: list[int], max_new: int, stops: frozenset[int]
+                                  ) -> tuple[Session, int]:
+        """A new session with all but the last prompt token cached (its logits come in round 1).
+
+        Each prefill chunk is its own model-thread job, so rounds of other sessions queued meanwhile run
+        between chunks: a short request waits for about one chunk, not for a long prompt's whole prefill.
+        A prefill that fails or is cancelled (its client left) leaves no session behind."""
+        session, reused = await self.run_on_model(self.store.create, owner, ids, max_new, stops)
         session.busy += 1
         try:
-            chunk = max(1, self.config.prefill_chunk_tokens)
-            while len(ids) - 1 > session.num_cached:  # cache all but the last token (its logits come in round 1)
-                end = min(session.num_cached + chunk, len(ids) - 1)
-                models.forward(self.target.model, ids[session.num_cached : end], session.cache, 1)
-                session.num_cached = end
+            while len(ids) - 1 > session.num_cached:
+                await self.run_on_model(self._prefill_chunk, session, ids)
+            await self.run_on_model(self.store.update_size, session)
+        except BaseException:
+            self.store.drop(session.id)
+            raise
         finally:
             session.busy -= 1
-        self.store.update_size(session)
         return session, reused
+
+    def _prefill_chunk(self, session: Session, ids: list[int]) -> None:
+        end = min(session.num_cached + max(1, self.config.prefill_chunk_tokens), len(ids) - 1)
+        try:
+            models.forward(self.target.model, ids[session.num_cached : end], session.cache, 1)
+        except BaseException:
+            models.crop_cache(session.cache, session.num_cached)
+            raise
+        session.num_cached = end
 
     def info(self, session: Session, **extra: Any) -> SessionInfo:
         """What the client needs to know of a session (``extra``: fields a fresh open adds)."""

@@ -118,6 +118,9 @@ class BatchScheduler:
             while self._queue:
                 await self._gather_company()
                 batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
+                batch = [b for b in batch if not b[0].future.cancelled()]  # its request is gone: no work
+                if not batch:
+                    continue
                 items = [b[0] for b in batch]
                 self.running = len(items)
                 for it in items:

@@ -42,3 +42,26 @@ def test_connections_beyond_the_cap_get_a_503(target):
             s.close()
         time.sleep(0.2)
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+
+
+def _generated(srv) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("agentspec:generation_tokens_total"))
+
+
+def test_a_non_streamed_request_stops_when_its_client_leaves(target):
+    """The client gives up after 0.3 s; the server stops generating for it instead of finishing 900 tokens
+    nobody will read (the end-of-text token is biased away so the answer would run to max_tokens)."""
+    from tests.helpers import EOS
+
+    with LoopbackServer(target, config(max_model_len=1024)) as srv:
+        body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 900,
+                "logit_bias": {str(EOS): -100}}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=0.3)
+        time.sleep(0.5)
+        first = _generated(srv)
+        time.sleep(0.5)
+        assert _generated(srv) == first < 900  # nothing more was generated
+        assert not any(s.busy for s in srv.engine.store._sessions.values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -34,7 +36,7 @@ def test_batched_rounds_equal_plain_greedy(target, batched):
     owner = key_owner(None)
     prompts = [make_prompt(s, 20 + 9 * s) for s in range(4)]
     refs = [plain_greedy(target, p, 24) for p in prompts]
-    sessions = [engine._create_and_prefill(owner, p, 24, frozenset({EOS}))[0] for p in prompts]
+    sessions = [asyncio.run(engine._create_and_prefill(owner, p, 24, frozenset({EOS})))[0] for p in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
     batch_sizes = set()
     for _ in range(30):
@@ -121,7 +123,7 @@ def test_a_failed_round_fails_its_item_only_and_leaves_its_session_as_it_was(tar
     owner = key_owner(None)
     prompts = [make_prompt(s, 20 + 9 * s) for s in range(3)]
     refs = [plain_greedy(target, p, 12) for p in prompts]
-    sessions = [engine._create_and_prefill(owner, p, 12, frozenset({EOS}))[0] for p in prompts]
+    sessions = [asyncio.run(engine._create_and_prefill(owner, p, 12, frozenset({EOS})))[0] for p in prompts]
     bad = sessions[0]
     cached, tokens = bad.num_cached, list(bad.tokens)
     if fault == "draft":
@@ -143,3 +145,40 @@ def test_a_failed_round_fails_its_item_only_and_leaves_its_session_as_it_was(tar
         out.extend(o.reply.tokens)
     assert out == refs[0]
 
+
+
+def test_a_short_round_runs_between_a_long_prompts_prefill_chunks(target):
+    """Head-of-line: each prefill chunk is its own model-thread job, so a round queued during a long prefill
+    runs before the prefill's remaining chunks, and both sessions still give plain greedy's tokens."""
+    engine = VerifierEngine(target, ServerConfig(prefill_chunk_tokens=8, max_model_len=1024))
+    owner = key_owner(None)
+    short, long_prompt = make_prompt(3, 20), make_prompt(4, 600)
+    jobs: list[str] = []
+    chunk, execute = engine._prefill_chunk, engine.execute
+
+    def chunk_job(*a):
+        jobs.append("chunk")
+        return chunk(*a)
+
+    def execute_job(*a):
+        jobs.append("round")
+        return execute(*a)
+
+    async def scenario():
+        s, _ = await engine._create_and_prefill(owner, short, 4, frozenset({EOS}))
+        engine._prefill_chunk, engine.execute = chunk_job, execute_job
+        prefill = asyncio.ensure_future(engine._create_and_prefill(owner, long_prompt, 4, frozenset({EOS})))
+        while "chunk" not in jobs:
+            await asyncio.sleep(0.001)
+        reply = await engine.scheduler.submit(RoundItem(s, DraftProposal(), Sampling()))
+        long_session, _ = await prefill
+        return reply, long_session
+
+    reply, long_session = asyncio.run(scenario())
+    first_round = jobs.index("round")
+    assert 0 < first_round < jobs.count("chunk")  # the round did not wait for all ~75 chunks
+    assert jobs.count("chunk") == -(-(len(long_prompt) - 1) // 8)
+    assert reply.tokens == plain_greedy(target, short, 1)
+    assert long_session.num_cached == len(long_prompt) - 1
+    (o,) = engine.execute([RoundItem(long_session, DraftProposal(), Sampling())], [None])
+    assert o.reply.tokens == plain_greedy(target, long_prompt, 1)
