@@ -1,7 +1,7 @@
 """agentspec: lossless speculative decoding for LLM agent loops.
 
 The public API is imported lazily: ``import agentspec`` loads neither torch, transformers, litellm nor
-langchain. Attributes resolve on first use.
+langchain. Attributes resolve on first use (``agentspec.SpecClient``, ``agentspec.ChatAgentSpec``, ...).
 """
 
 from __future__ import annotations
@@ -20,15 +20,19 @@ _LAZY = {name: module for module, names in {
     "agentspec.drafters.ngram": ("NgramDrafter",),
     "agentspec.drafters.model": ("ModelDrafter",),
     "agentspec.router": ("DraftLengthPolicy",),
+    "agentspec.client": ("SpecClient",),  # httpx only; litellm loads on the first API-fallback call
+    "agentspec.adapters.langchain": ("ChatAgentSpec",),  # loads langchain_core on first use
 }.items() for name in names}
 
 __all__ = [
-    "DraftContext", "DraftLengthPolicy", "DraftProposal", "Drafter", "GenerationResult", "LoadedModel", "ModelDrafter", "ModelLoadError",
-    "NgramDrafter", "RoundStats", "SamplingParams", "SparseDist", "SpecEngine", "SpecStats", "VerifyResult",
-    "load_model", "make_drafter",
+    "ChatAgentSpec", "DraftContext", "DraftLengthPolicy", "DraftProposal", "Drafter", "GenerationResult",
+    "LoadedModel", "ModelDrafter", "ModelLoadError", "NgramDrafter", "RoundStats", "SamplingParams",
+    "SparseDist", "SpecClient", "SpecEngine", "SpecStats", "VerifyResult", "load_model", "make_drafter",
 ]
 
 if TYPE_CHECKING:
+    from agentspec.adapters.langchain import ChatAgentSpec
+    from agentspec.client import SpecClient
     from agentspec.drafters import DraftContext, Drafter, make_drafter
     from agentspec.drafters.model import ModelDrafter
     from agentspec.drafters.ngram import NgramDrafter

@@ -28,9 +28,10 @@ from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
-from langchain_core.utils import secret_from_env
+from langchain_core.utils import get_pydantic_field_names, secret_from_env
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
+from langchain_core.utils.utils import _build_model_kwargs  # what ChatOpenAI uses for the same purpose
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from agentspec.adapters.langchain_errors import map_error
@@ -43,6 +44,7 @@ from agentspec.adapters.langchain_io import (
     to_chat_messages,
 )
 from agentspec.client import FinalEvent, SpecClient
+from agentspec.client.api import check_api_kwargs
 from agentspec.router import ModeConfig, ModePolicy
 from agentspec.toolcalls import add_instruction
 from agentspec.types import SamplingParams
@@ -72,7 +74,10 @@ class ChatAgentSpec(BaseChatModel):
     max_tokens: int | None = None
     """Most tokens to generate per call (default 512)."""
     timeout: float | None = None
-    """Seconds per HTTP request to the verifier (default 60); not a deadline for the whole call."""
+    """httpx's limit in seconds (default 60) per HTTP request to a verifier: connecting, and each wait for
+    bytes (a streamed segment's next line included); each of ``max_retries`` attempts has its own. Also
+    litellm's ``timeout`` for the fallback model's call. Not a deadline for the whole call: a long answer
+    may take longer, as it does with ``ChatOpenAI``'s ``timeout``."""
     stop: list[str] | None = None
     max_retries: int = 2
     streaming: bool = False
@@ -80,6 +85,17 @@ class ChatAgentSpec(BaseChatModel):
     num_draft_tokens: int = Field(default=4, ge=0)
     segment_tokens: int = Field(default=16, ge=1)
     fallback_model: str | None = None
+    """A litellm model id (``"openai/gpt-4o"``) answering when no verifier is reachable, and in
+    ``mode="api"`` (required there); it gets every argument of the call, streamed."""
+    fallback_api_base: str | None = None
+    """The fallback model's endpoint (litellm's ``api_base``); unset: litellm's default for the provider."""
+    fallback_api_key: SecretStr | None = None
+    """The fallback model's key (litellm's ``api_key``); never sent to a verifier (``api_key`` is theirs)."""
+    api_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """More litellm arguments for the fallback model's call (``drop_params``, ``extra_headers``, ...)."""
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Call arguments applied to every call, as if given to ``invoke``; unknown constructor arguments land
+    here with a warning, as in ``ChatOpenAI`` (an argument no call accepts then fails the call)."""
     drafter: Any = Field(default=None, exclude=True)
     """A local :class:`~agentspec.drafters.base.Drafter` (enables ``edge`` mode)."""
     tokenizer: Any = Field(default=None, exclude=True)
@@ -90,10 +106,24 @@ class ChatAgentSpec(BaseChatModel):
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
     _token_counts: dict[str, int] = PrivateAttr(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _build_extra(cls, values: Any) -> Any:
+        """Unknown constructor arguments → ``model_kwargs``, with a warning naming each (as ChatOpenAI)."""
+        if isinstance(values, dict):
+            values = _build_model_kwargs(dict(values), get_pydantic_field_names(cls))
+        return values
+
     @model_validator(mode="after")
     def _check(self) -> ChatAgentSpec:
         if not self.base_url and self.fallback_model is None:
             raise ValueError("give base_url (one or more agentspec-verifier URLs) or a fallback_model")
+        if self.mode == "api" and self.fallback_model is None:
+            raise ValueError("mode='api' needs fallback_model: set fallback_model to a litellm model id "
+                             "(e.g. 'openai/gpt-4o'), with fallback_api_base / fallback_api_key")
+        check_api_kwargs(self.api_kwargs)
+        if twice := sorted({"api_base", "api_key"} & set(self.api_kwargs)):
+            raise ValueError(f"set {twice} as fallback_api_base / fallback_api_key, not in api_kwargs")
         if self.mode == "edge" and self.drafter is None:
             raise ValueError("mode='edge' needs a local drafter (e.g. agentspec.drafters.NgramDrafter())")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -115,7 +145,8 @@ class ChatAgentSpec(BaseChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {"model_name": self.model_name, "base_url": self.base_url, "mode": self.mode,
                 "num_draft_tokens": self.num_draft_tokens, "temperature": self.temperature,
-                "max_tokens": self.max_tokens, "fallback_model": self.fallback_model}
+                "max_tokens": self.max_tokens, "fallback_model": self.fallback_model,
+                "fallback_api_base": self.fallback_api_base}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider="agentspec", ls_model_name=kwargs.get("model") or self.model_name,
@@ -141,10 +172,16 @@ class ChatAgentSpec(BaseChatModel):
         if self._policy is None:  # shared by all clients of this model: one set of measurements
             self._policy = ModePolicy(ModeConfig(has_drafter=self.drafter is not None,
                                                  has_api=self.fallback_model is not None))
+        api_kwargs = dict(self.api_kwargs)
+        if self.fallback_api_base is not None:
+            api_kwargs["api_base"] = self.fallback_api_base
+        if self.fallback_api_key is not None:
+            api_kwargs["api_key"] = self.fallback_api_key.get_secret_value()
         return SpecClient(self.base_url, api_key=self.api_key.get_secret_value() if self.api_key else None,
                           drafter=self.drafter, tokenizer=self.tokenizer, num_draft_tokens=self.num_draft_tokens,
                           mode=self.mode, fallback_model=self.fallback_model, timeout=self.timeout or 60.0,
-                          retries=self.max_retries, segment_tokens=self.segment_tokens, policy=self._policy)
+                          retries=self.max_retries, segment_tokens=self.segment_tokens, policy=self._policy,
+                          api_kwargs=api_kwargs)
 
     def _client(self) -> SpecClient:
         with self._lock:
@@ -164,9 +201,10 @@ class ChatAgentSpec(BaseChatModel):
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
                  ) -> tuple[dict[str, Any], ToolChoice]:
         """SpecClient.stream arguments for this call, and the tool choice to check afterwards."""
+        kwargs = {**self.model_kwargs, **kwargs}
         if unknown := set(kwargs) - _CALL_KWARGS:
-            raise TypeError(f"ChatAgentSpec got unsupported call arguments {sorted(unknown)}; "
-                            f"supported: {sorted(_CALL_KWARGS)}")
+            raise TypeError(f"ChatAgentSpec got unsupported call arguments {sorted(unknown)} (in the call or "
+                            f"model_kwargs); supported: {sorted(_CALL_KWARGS)}")
         model = kwargs.get("model")
         if model is not None and not (isinstance(model, str) and model):
             raise ValueError(f"model must be a non-empty string (a name the verifier serves), got {model!r}")
@@ -193,7 +231,7 @@ class ChatAgentSpec(BaseChatModel):
         if not isinstance(event, FinalEvent):
             return event_chunk(event)
         choice.check(event.tool_calls, event.text)
-        return final_chunk(event, model or self.model_name)
+        return final_chunk(event, event.model or model or self.model_name)  # the model that answered
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:

@@ -20,7 +20,7 @@ import queue
 import sys
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -36,14 +36,24 @@ PROVIDER = "agentspec"
 DEFAULT_TIMEOUT_S = 600.0
 _MAX_CLIENTS_PER_LOOP = 16
 _background: set[asyncio.Task] = set()  # cancelled streams finishing their cleanup (kept from the GC)
+_registered: set[str] = set()  # "provider/name" keys whose model info litellm has
+_registered_lock = threading.Lock()
+_MAX_REGISTERED = 1024
 
 
-def register(provider: str = PROVIDER) -> AgentSpecLLM:
-    """Add the ``agentspec/`` provider to ``litellm.custom_provider_map`` (idempotent); return its handler."""
+def register(provider: str = PROVIDER, models: Iterable[str] = ()) -> AgentSpecLLM:
+    """Add the ``agentspec/`` provider to ``litellm.custom_provider_map`` (idempotent); return its handler.
+
+    ``models``: served names whose model info to register now, so ``litellm.supports_function_calling(
+    "agentspec/<name>")`` and ``litellm.get_model_info`` answer before the first call (every call
+    registers its own name too; costs are 0: the verifier is the user's own).
+    """
+    for name in models:
+        register_model_info(provider, name)
     for item in litellm.custom_provider_map:
         if item["provider"] == provider and isinstance(item["custom_handler"], AgentSpecLLM):
             return item["custom_handler"]
-    handler = AgentSpecLLM()
+    handler = AgentSpecLLM(provider)
     litellm.custom_provider_map = [
         *(i for i in litellm.custom_provider_map if i["provider"] != provider),
         {"provider": provider, "custom_handler": handler},
@@ -54,11 +64,28 @@ def register(provider: str = PROVIDER) -> AgentSpecLLM:
     return handler
 
 
+def register_model_info(provider: str, name: str) -> None:
+    """Tell litellm what ``provider/name`` supports and costs (once per name): without it
+    ``supports_function_calling`` says False and ``completion_cost`` raises ``ModelNotMappedError``."""
+    key = f"{provider}/{name}"
+    with _registered_lock:
+        if key in _registered or len(_registered) >= _MAX_REGISTERED:  # names a caller varies without bound
+            return
+        litellm.register_model({key: {
+            "litellm_provider": provider, "mode": "chat", "input_cost_per_token": 0.0,
+            "output_cost_per_token": 0.0, "supports_function_calling": True, "supports_tool_choice": True,
+            "supports_parallel_function_calling": True, "supports_system_messages": True,
+            "supports_response_schema": False,  # response_format is refused (see litellm_request)
+        }})
+        _registered.add(key)
+
+
 class AgentSpecLLM(litellm.CustomLLM):
     """litellm ``CustomLLM`` backed by :class:`SpecClient`; unused keyword arguments land in ``kwargs``."""
 
-    def __init__(self) -> None:
+    def __init__(self, provider: str = PROVIDER) -> None:
         super().__init__()
+        self.provider = provider
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, SpecClient]] = (
             weakref.WeakKeyDictionary())
         self._lock = threading.Lock()
@@ -68,7 +95,7 @@ class AgentSpecLLM(litellm.CustomLLM):
                    optional_params: dict | None = None, model_response: Any = None, timeout: Any = None,
                    **kwargs: Any) -> Any:
         """Blocking chat completion: the async path, run on the adapter's private event-loop thread."""
-        req = _request(model, messages, api_base, api_key, optional_params, timeout)
+        req = self._request(model, messages, api_base, api_key, optional_params, timeout, kwargs)
         final = None
         for ev in self._loop_thread.iterate(lambda: self._events(req)):
             final = ev
@@ -78,7 +105,7 @@ class AgentSpecLLM(litellm.CustomLLM):
                   optional_params: dict | None = None, timeout: Any = None, **kwargs: Any
                   ) -> Iterator[dict[str, Any]]:
         """Blocking stream of ``GenericStreamingChunk`` dicts: verified text and complete tool calls only."""
-        req = _request(model, messages, api_base, api_key, optional_params, timeout)
+        req = self._request(model, messages, api_base, api_key, optional_params, timeout, kwargs)
         for ev in self._loop_thread.iterate(lambda: self._events(req)):
             if (chunk := _chunk(ev)) is not None:
                 yield chunk
@@ -87,7 +114,7 @@ class AgentSpecLLM(litellm.CustomLLM):
                           api_key: str | None = None, optional_params: dict | None = None,
                           model_response: Any = None, timeout: Any = None, **kwargs: Any) -> Any:
         """Async chat completion on the caller's event loop."""
-        req = _request(model, messages, api_base, api_key, optional_params, timeout)
+        req = self._request(model, messages, api_base, api_key, optional_params, timeout, kwargs)
         final = None
         async for ev in self._events(req):
             final = ev
@@ -97,10 +124,19 @@ class AgentSpecLLM(litellm.CustomLLM):
                          api_key: str | None = None, optional_params: dict | None = None, timeout: Any = None,
                          **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
         """Async stream of ``GenericStreamingChunk`` dicts on the caller's event loop."""
-        req = _request(model, messages, api_base, api_key, optional_params, timeout)
+        req = self._request(model, messages, api_base, api_key, optional_params, timeout, kwargs)
         async for ev in self._events(req):
             if (chunk := _chunk(ev)) is not None:
                 yield chunk
+
+    def _request(self, model: str, messages: list, api_base: str | None, api_key: str | None,
+                 optional_params: dict | None, timeout: Any, kwargs: dict[str, Any]) -> Request:
+        """The validated request; its model's info registered with litellm (capabilities, zero cost)."""
+        litellm_params = kwargs.get("litellm_params") or {}
+        drop = litellm.drop_params is True or litellm_params.get("drop_params") is True
+        req = _request(model, messages, api_base, api_key, optional_params, timeout, drop)
+        register_model_info(self.provider, req.model)
+        return req
 
     async def _events(self, req: Request) -> AsyncIterator[Any]:
         """SpecClient events under the request's deadline (errors translated for litellm); on timeout the
@@ -192,9 +228,9 @@ async def _pump(items: AsyncIterator[Any], put: Callable[[tuple[bool, Any]], Any
 
 
 def _request(model: str, messages: list, api_base: str | None, api_key: str | None,
-             optional_params: dict | None, timeout: Any) -> Request:
+             optional_params: dict | None, timeout: Any, drop_params: bool) -> Request:
     try:
-        return parse_request(model, messages, api_base, api_key, optional_params or {}, timeout)
+        return parse_request(model, messages, api_base, api_key, optional_params or {}, timeout, drop_params)
     except UnsupportedRequest as e:
         raise litellm.BadRequestError(message=str(e), model=model, llm_provider=PROVIDER) from e
 

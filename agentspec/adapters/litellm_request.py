@@ -56,8 +56,12 @@ class Request:
 
 
 def parse_request(model: str, messages: list[Any], api_base: str | None, api_key: str | None,
-                  optional_params: dict[str, Any], timeout: Any) -> Request:
-    """Validate litellm's arguments; raises :class:`UnsupportedRequest` for what agentspec cannot honour."""
+                  optional_params: dict[str, Any], timeout: Any, drop_params: bool = False) -> Request:
+    """Validate litellm's arguments; raises :class:`UnsupportedRequest` for what agentspec cannot honour.
+
+    Parameters agentspec does not support are dropped with a warning naming them, silently when the
+    caller asked litellm to drop them (``drop_params=True``, per call or ``litellm.drop_params``).
+    """
     params = dict(optional_params or {})
     bad = UnsupportedRequest
     if int(params.get("n") or 1) != 1:
@@ -90,7 +94,8 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
                   "api mode a fallback model; through litellm, drafting happens on the verifier)")
     if int(max_tokens) < 1:
         raise bad(f"max_tokens must be >= 1, got {max_tokens}")
-    if unknown := sorted(k for k in params if k not in _IGNORED and params[k] is not None):
+    unknown = sorted(k for k in params if k not in _IGNORED and params[k] is not None)
+    if unknown and not drop_params:
         _log.warning("agentspec provider ignores unsupported parameters: %s", ", ".join(unknown))
     return Request(model=model, urls=urls, api_key=api_key or os.environ.get("AGENTSPEC_API_KEY"),
                    messages=messages, tools=tools, max_tokens=int(max_tokens), sampling=sampling, stop=stop,

@@ -1,19 +1,28 @@
 """The API fallback, and the one door to litellm: :func:`litellm_module`.
 
-With no verifier left, the request continues on ``fallback_model`` through litellm, the committed text sent
-as a partial assistant answer. litellm is imported lazily, here only (``import agentspec`` never loads it).
+With no verifier left (or ``mode="api"``), the request continues on ``fallback_model`` through litellm,
+streamed, with every argument of the request (sampling, limits, stop strings, tools, ``tool_choice``,
+``response_format``) and the client's ``api_kwargs`` (``api_base``, ``api_key``, ...). Text already
+committed by a verifier is sent as a partial assistant answer. The provider's chunks become the events the
+speculative path emits (text as it arrives, each tool call once, complete); its usage and model name are
+recorded on the :class:`Run`. litellm is imported lazily, here only (``import agentspec`` never loads it).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
+import uuid
 from functools import partial
 from typing import Any
 
 from agentspec.client.events import SegmentStats
 from agentspec.client.ops import Call, Steps
 from agentspec.client.run import Run
+
+# set per request by agentspec; an ``api_kwargs`` entry for one of them would silently lose or break it
+RESERVED_API_KWARGS = frozenset({"model", "messages", "stream", "stream_options"})
 
 
 def litellm_module() -> Any:
@@ -25,26 +34,87 @@ def litellm_module() -> Any:
     return litellm
 
 
-def api_segment(run: Run, model: str | None, timeout: float, extra: dict[str, Any]) -> Steps:
-    """The rest of ``run`` from the API model ``model`` (``extra``: the client's ``api_kwargs``)."""
-    litellm, messages = litellm_module(), list(run.messages)
+def check_api_kwargs(api_kwargs: dict[str, Any]) -> None:
+    """Refuse ``api_kwargs`` that agentspec sets itself for every provider call."""
+    if reserved := sorted(RESERVED_API_KWARGS & set(api_kwargs)):
+        raise ValueError(f"api_kwargs must not set {reserved}: agentspec sets them for every call (the "
+                         "fallback_model, the request's messages, streaming with usage)")
+
+
+def api_request(run: Run, model: str, timeout: float, extra: dict[str, Any]) -> dict[str, Any]:
+    """litellm ``completion`` arguments for the rest of ``run``; ``extra`` (``api_kwargs``) comes last, so
+    it can override a computed value (e.g. ``temperature`` for a provider that rejects 0)."""
+    messages = list(run.messages)
     if run.text:  # continue the partial answer (the API model only sees committed text)
         messages.append({"role": "assistant", "content": run.text})
-    request: dict[str, Any] = {"model": model, "messages": messages, "timeout": timeout,
-                               "max_tokens": max(run.max_tokens - run.generated, 1), **extra}
+    s = run.sampling
+    request: dict[str, Any] = {"model": model, "messages": messages, "timeout": timeout, "stream": True,
+                               "stream_options": {"include_usage": True},
+                               "max_tokens": max(run.max_tokens - run.generated, 1),
+                               # 0 is agentspec's greedy, sent as such so a switch mid-answer keeps decoding
+                               "temperature": s.temperature}
+    if s.top_p != 1.0:
+        request["top_p"] = s.top_p
+    if s.top_k:
+        request["top_k"] = s.top_k  # litellm refuses it for providers without top_k (unless drop_params)
+    if s.seed is not None:
+        request["seed"] = s.seed
+    if run.stop:
+        request["stop"] = list(run.stop)
     if run.tools:
         request["tools"] = run.tools
-    if not run.sampling.greedy:
-        request["temperature"] = run.sampling.temperature
-    if run.stop:
-        request["stop"] = run.stop
+    if run.tool_choice is not None and (run.tools or run.tool_choice != "none"):
+        request["tool_choice"] = run.tool_choice  # "none" without tools: no tools were sent at all
+    if run.response_format is not None:
+        request["response_format"] = run.response_format
+    return {**request, **extra}
+
+
+def api_segment(run: Run, model: str | None, timeout: float, extra: dict[str, Any]) -> Steps:
+    """The rest of ``run`` from the API model ``model``, streamed (``extra``: the client's ``api_kwargs``)."""
+    if model is None:
+        raise ValueError("the API fallback needs a fallback_model (a litellm model id, e.g. 'openai/gpt-4o')")
+    litellm, request = litellm_module(), api_request(run, model, timeout, extra)
     t0 = time.perf_counter()
-    resp = yield Call(partial(litellm.completion, **request), partial(litellm.acompletion, **request))
-    choice = resp.choices[0]
-    events = run.feed_text(choice.message.content or "")
-    for tc in getattr(choice.message, "tool_calls", None) or ():
-        events.append(run.add_call(tc.id, tc.function.name, tc.function.arguments))
-    n = getattr(getattr(resp, "usage", None), "completion_tokens", 0) or 0
-    run.stats.segments.append(SegmentStats("api", n, 1, 0, 0, time.perf_counter() - t0, 0.0, 0.0))
-    run.finish = {"length": "length"}.get(choice.finish_reason or "stop", "stop")
-    yield from events  # after the request's state is complete
+    seg = SegmentStats("api", 0, 1, 0, 0, 0.0, 0.0, 0.0, kind=run.kind)
+    run.stats.segments.append(seg)
+    pending: dict[int, list[str]] = {}  # tool calls being streamed, by index: [id, name, arguments]
+    finish, chunks = None, None
+    try:
+        chunks = yield Call(partial(litellm.completion, **request), partial(litellm.acompletion, **request))
+        while (chunk := (yield Call(next, anext, (chunks, None)))) is not None:
+            run.api_model = getattr(chunk, "model", None) or run.api_model or model
+            if (usage := getattr(chunk, "usage", None)) is not None:
+                run.api_usage = {k: int(getattr(usage, k, 0) or 0)
+                                 for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+                seg.tokens = run.api_usage["completion_tokens"]
+            # after a stop string matched, read on only for the usage (the provider stops there too)
+            for choice in (getattr(chunk, "choices", None) or ())[:1] if run.finish is None else ():
+                finish = getattr(choice, "finish_reason", None) or finish
+                delta = getattr(choice, "delta", None)
+                for tc in getattr(delta, "tool_calls", None) or ():
+                    index = getattr(tc, "index", None) or 0
+                    for done in [i for i in pending if i < index]:  # providers stream calls in order
+                        yield run.add_call(*pending.pop(done))
+                    slot = pending.setdefault(index, [f"call_{uuid.uuid4().hex[:24]}", "", ""])
+                    slot[0] = getattr(tc, "id", None) or slot[0]
+                    fn = getattr(tc, "function", None)
+                    slot[1] += getattr(fn, "name", None) or ""
+                    slot[2] += getattr(fn, "arguments", None) or ""
+                if text := getattr(delta, "content", None):
+                    yield from run.feed_text(text)
+        for index in sorted(pending):
+            yield run.add_call(*pending.pop(index))
+        run.api_model = run.api_model or model
+        run.finish = run.finish or {"length": "length"}.get(finish or "stop", "stop")
+    finally:  # an API segment cut short still reports its time (and the usage that arrived)
+        seg.wall_s = time.perf_counter() - t0
+        _close(chunks)
+
+
+def _close(chunks: Any) -> None:
+    """End a sync provider stream now (a consumer stopped early, or a stop string matched) rather than at
+    garbage collection; an async one's close is a coroutine this step cannot await: it ends when collected."""
+    close = getattr(getattr(chunks, "completion_stream", None), "close", None)
+    if callable(close) and not inspect.iscoroutinefunction(close):
+        close()

@@ -84,5 +84,6 @@ class FinalEvent:
     tokens: list[int]  # generated token ids committed by verifiers (API-mode text has none)
     tool_calls: list[ToolCallEvent]
     finish_reason: str
-    usage: dict[str, int]
+    usage: dict[str, int]  # verifier tokens plus the API fallback's reported usage, when it answered too
     stats: ClientStats
+    model: str | None = None  # the model that answered: the API model once it took over, else the verifier's

@@ -36,6 +36,10 @@ class Run:
         self.finish: str | None = None
         self.stats = ClientStats()
         self.verifier = 0  # index into client.transports
+        self.served_model: str | None = None  # the name the verifier answered as (its SessionInfo)
+        # the API fallback's answer: the provider's model name and usage (None: no API segment ran)
+        self.api_model: str | None = None
+        self.api_usage: dict[str, int] | None = None
         # pipelined edge drafting: (the tokens it assumed committed, the draft after them)
         self.ahead: tuple[tuple[int, ...], DraftProposal] | None = None
 
@@ -62,6 +66,7 @@ class Run:
             self.prompt = list(info.prompt_ids)
             self.tokens = list(self.prompt)
         self.sid = info.session_id
+        self.served_model = info.model
 
     def round_request(self, proposal: DraftProposal) -> dict[str, Any]:
         """An edge round verifying ``proposal`` after the committed tokens."""
@@ -110,4 +115,9 @@ class Run:
         finish = "tool_calls" if self.calls and self.finish == "stop" else self.finish or "length"
         usage = {"prompt_tokens": len(self.prompt), "completion_tokens": self.generated,
                  "total_tokens": len(self.tokens)}
-        return FinalEvent(self.text, self.tokens[len(self.prompt) :], list(self.calls), finish, usage, self.stats)
+        if self.api_usage is not None:  # a switch to the API mid-answer: both parts were processed and billed
+            usage = {k: usage[k] + self.api_usage.get(k, 0) for k in usage}
+        # the model that answered: the API model once it took over, else the verifier's served name
+        model = self.api_model or self.served_model or self.model
+        generated = self.tokens[len(self.prompt) :]
+        return FinalEvent(self.text, generated, list(self.calls), finish, usage, self.stats, model)

@@ -16,7 +16,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from agentspec.client.api import api_segment
+from agentspec.client.api import api_segment, check_api_kwargs
 from agentspec.client.edge import EdgeDrafting
 from agentspec.client.events import FinalEvent, PreviewEvent, SegmentStats, TextEvent, ToolCallEvent
 from agentspec.client.ops import Call, Pools, Steps, WhileDrafting, adrive, drive
@@ -39,7 +39,11 @@ class SpecClient:
 
     ``base_urls``: verifiers serving the same target (the next takes over when one fails). ``drafter``: a
     local drafter sharing the target's tokenizer (enables edge mode). ``fallback_model``: a litellm model
-    id for when no verifier is reachable. ``log_path``: opt-in chat JSONL log for ``agentspec train``.
+    id for when no verifier is reachable (or for ``mode="api"``), called with ``api_kwargs`` (litellm
+    arguments such as ``api_base``, ``api_key``, ``drop_params``; applied last). ``timeout``: httpx's
+    limit per HTTP request to a verifier (connecting, and each wait for bytes, a streamed segment's next
+    line included; each of ``retries`` attempts has its own) and litellm's ``timeout`` for the API call;
+    not a deadline for the whole call. ``log_path``: opt-in chat JSONL log for ``agentspec train``.
     ``server_drafter``: the verifier's server-mode drafter. ``pipeline``: in edge mode, draft the next
     round while this one is in flight (``None``: while drafting takes ``PIPELINE_MIN_DRAFT_S`` or more).
     ``policy``: a router to share; its config gets this client's γ, segment length and shadowed modes.
@@ -51,7 +55,8 @@ class SpecClient:
                  segment_tokens: int = 16, preview: bool = False, policy: ModePolicy | None = None,
                  api_kwargs: dict[str, Any] | None = None, log_path: str | os.PathLike | None = None,
                  server_drafter: str = "default", pipeline: bool | None = None) -> None:
-        _check_mode(mode, drafter)
+        _check_mode(mode, drafter, fallback_model)
+        check_api_kwargs(api_kwargs or {})
         if server_drafter not in SERVER_DRAFTERS:
             raise ValueError(f"server_drafter must be one of {SERVER_DRAFTERS}, got {server_drafter!r}")
         if num_draft_tokens < 0:
@@ -66,7 +71,7 @@ class SpecClient:
         self.drafter, self.tokenizer, self.num_draft_tokens = drafter, tokenizer, num_draft_tokens
         self.mode, self.fallback_model, self.segment_tokens = mode, fallback_model, segment_tokens
         self.server_drafter, self.timeout = server_drafter, timeout
-        self.api_kwargs = dict(api_kwargs or {})  # extra litellm arguments (api_base, mock_response in tests, ...)
+        self.api_kwargs = dict(api_kwargs or {})  # litellm arguments: api_base, api_key, drop_params, ...
         self.log_path = log_path  # opt-in: one JSON line per finished request, for `agentspec train --data`
         # tool-calling requests draft with grammar + copy + the given drafter, merged into one tree
         self.tool_drafter: Drafter | None = None
@@ -257,7 +262,7 @@ class SpecClient:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         mode = mode or self.mode
-        _check_mode(mode, self.drafter)
+        _check_mode(mode, self.drafter, self.fallback_model)
         if isinstance(stop, str):
             stop = [stop]
         # the tool drafter (grammar + copy + model tree) when the request asks for structure
@@ -286,8 +291,11 @@ class SpecClient:
         return final
 
 
-def _check_mode(mode: str, drafter: Drafter | None) -> None:
+def _check_mode(mode: str, drafter: Drafter | None, fallback_model: str | None) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "edge" and drafter is None:
         raise ValueError("edge mode needs a local drafter")
+    if mode == "api" and fallback_model is None:
+        raise ValueError("mode='api' needs fallback_model: set fallback_model to a litellm model id "
+                         "(e.g. 'openai/gpt-4o'), with its api_base/api_key in api_kwargs")

@@ -322,3 +322,23 @@ def test_silent_server_raises_model_timeout_error():
         with pytest.raises(ModelTimeoutError) as info:
             model.invoke("hi")
     assert isinstance(info.value.__cause__, VerifierUnavailable)
+
+
+# -- constructor arguments ---------------------------------------------------------------------------
+
+
+def test_unknown_constructor_arguments_warn_and_move_to_model_kwargs(tiny_server):
+    """As ChatOpenAI: a UserWarning naming the argument, which lands in ``model_kwargs``; a call argument
+    there applies to every call, anything else fails the call instead of being ignored."""
+    with pytest.warns(UserWarning, match="frobnicate"):
+        model = ChatAgentSpec(base_url=tiny_server.url, mode="server-ar", max_tokens=4, frobnicate=1)
+    assert model.model_kwargs == {"frobnicate": 1}
+    with pytest.raises(TypeError, match="frobnicate"):
+        model.invoke("hi")
+    with pytest.warns(UserWarning, match="top_p"):  # a field given in model_kwargs: moved to the field
+        assert ChatAgentSpec(base_url=tiny_server.url, model_kwargs={"top_p": 0.9}).top_p == 0.9
+    settings = {"base_url": tiny_server.url, "mode": "server-ar", "max_tokens": 8}
+    fmt = {"type": "json_object"}
+    plain, bound = ChatAgentSpec(**settings), ChatAgentSpec(**settings, model_kwargs={"response_format": fmt})
+    answer = bound.invoke("hi").content
+    assert answer == plain.invoke("hi", response_format=fmt).content != plain.invoke("hi").content

@@ -243,3 +243,83 @@ def test_api_key_is_sent_as_bearer(litellm_mod, target, monkeypatch):
         assert litellm_mod.completion(messages=PLAIN, **_call(srv, max_tokens=4)).usage.completion_tokens > 0
         with pytest.raises(litellm_mod.AuthenticationError):
             litellm_mod.completion(messages=PLAIN, api_key="wrong", **_call(srv, max_tokens=4))
+
+
+# -- the API fallback's tool calls, model info, dropped parameters --------------------------------------
+
+
+def _api_fallback(server, **kw):
+    """A SpecClient answering through the API fallback: litellm's ``openai/`` provider on the verifier's
+    own OpenAI endpoint (a real provider round trip)."""
+    from agentspec.client import SpecClient
+
+    return SpecClient(mode="api", fallback_model="openai/tiny",
+                      api_kwargs={"api_base": server.url + "/v1", "api_key": "unused"}, **kw)
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+async def test_api_fallback_streams_tool_calls_as_events(server, use_async):
+    from agentspec.client import FinalEvent, TextEvent, ToolCallEvent
+
+    client = _api_fallback(server)
+    if use_async:
+        events = [ev async for ev in client.astream(ASK, TOOLS, max_tokens=120)]
+    else:
+        events = list(client.stream(ASK, TOOLS, max_tokens=120))
+    calls = [e for e in events if isinstance(e, ToolCallEvent)]
+    assert "".join(e.text for e in events if isinstance(e, TextEvent)) == "Sure. "
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    final = events[-1]
+    assert isinstance(final, FinalEvent) and final.finish_reason == "tool_calls" and final.tool_calls == calls
+    assert final.usage["completion_tokens"] > 0 and final.model == "tiny"
+
+
+def test_chat_agentspec_streams_the_fallbacks_tool_call_chunks(server):
+    from agentspec.adapters import ChatAgentSpec
+
+    model = ChatAgentSpec(mode="api", fallback_model="openai/tiny", fallback_api_base=server.url + "/v1",
+                          fallback_api_key="unused", max_tokens=120).bind_tools(TOOLS)
+    chunks = list(model.stream(ASK[0]["content"]))
+    assert any(c.tool_call_chunks for c in chunks) and any(c.content for c in chunks)
+    message = chunks[0]
+    for c in chunks[1:]:
+        message += c
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert message.response_metadata["model_name"] == "tiny" and message.usage_metadata["output_tokens"] > 0
+
+
+def test_model_info_is_registered(litellm_mod, server):
+    """litellm knows what an ``agentspec/`` model supports and costs: before any call for the names given
+    to ``register``, and after a call for the name it used."""
+    from agentspec.adapters.litellm import register
+
+    register(models=["pre-registered"])
+    assert litellm_mod.supports_function_calling("agentspec/pre-registered")
+    resp = litellm_mod.completion(messages=PLAIN, **_call(server, max_tokens=2))
+    assert litellm_mod.supports_function_calling("agentspec/tiny")
+    assert litellm_mod.get_model_info("agentspec/tiny")["supports_tool_choice"]
+    assert litellm_mod.completion_cost(completion_response=resp) == 0.0  # ModelNotMappedError before
+
+
+def test_first_call_prints_no_provider_list(litellm_mod, server, capfd):
+    litellm_mod.completion(messages=PLAIN, **_call(server, max_tokens=2))
+    list(litellm_mod.completion(messages=PLAIN, stream=True, **_call(server, max_tokens=2)))
+    assert "Provider List" not in capfd.readouterr().out
+
+
+def test_dropped_parameters_are_not_warned_about_when_dropping_was_asked(litellm_mod, server, caplog):
+    """``drop_params=True`` (per call or litellm-wide) drops unsupported parameters silently, as litellm
+    does; without it the provider's warning names them."""
+    caplog.set_level("WARNING", logger="agentspec.litellm")
+    litellm_mod.completion(messages=PLAIN, service_tier="flex", **_call(server, max_tokens=2))
+    assert "service_tier" in caplog.text
+    caplog.clear()
+    litellm_mod.completion(messages=PLAIN, service_tier="flex", drop_params=True,
+                           **_call(server, max_tokens=2))
+    assert "service_tier" not in caplog.text
+    litellm_mod.drop_params = True
+    try:
+        litellm_mod.completion(messages=PLAIN, service_tier="flex", **_call(server, max_tokens=2))
+    finally:
+        litellm_mod.drop_params = False
+    assert "service_tier" not in caplog.text

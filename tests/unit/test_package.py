@@ -62,3 +62,19 @@ def test_keep_alive_outlasts_the_clients_idle_connections(monkeypatch):
     assert parse_args(["m"]).config.keep_alive_s == 90
     with pytest.raises(SystemExit):
         parse_args(["m", "--keep-alive", "0"])
+
+
+def test_client_and_chat_model_are_lazy_top_level_exports():
+    """``agentspec.SpecClient`` loads no heavy module; ``agentspec.ChatAgentSpec`` only LangChain's core."""
+    code = (
+        "import sys, agentspec; c = agentspec.SpecClient; "
+        "heavy = lambda: [m for m in ('torch', 'transformers', 'litellm', 'langchain_core') "
+        "                 if m in sys.modules]; "
+        "print(c.__name__, ','.join(heavy())); m = agentspec.ChatAgentSpec; "
+        "print(m.__name__, ','.join(heavy()))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["SpecClient ", "ChatAgentSpec langchain_core"]
+    import agentspec
+
+    assert {"SpecClient", "ChatAgentSpec"} <= set(agentspec.__all__)
