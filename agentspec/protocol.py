@@ -91,12 +91,24 @@ class Sampling(_Strict):
         _check_vocab([int(t) for t in self.logit_bias or ()], vocab_size, "sampling.logit_bias")
 
 
-class TokenLogprob(BaseModel):
-    """A committed token's log-probability under the target and its top alternatives ``[[id, logprob]]``."""
+class TopLogprob(BaseModel):
+    """One alternative at a position: its id, text and log-probability under the target."""
 
     token: int
+    text: str = ""
     logprob: float
-    top: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class TokenLogprob(TopLogprob):
+    """A committed token's log-probability under the target, and the top alternatives there."""
+
+    top: list[TopLogprob] = Field(default_factory=list)
+
+    def openai(self) -> dict[str, Any]:
+        """OpenAI's ``logprobs.content`` entry for this token."""
+        def entry(x: TopLogprob) -> dict[str, Any]:
+            return {"token": x.text, "logprob": x.logprob, "bytes": list(x.text.encode("utf-8"))}
+        return {**entry(self), "top_logprobs": [entry(t) for t in self.top]}
 
 
 class SparseQ(_Strict):
@@ -304,6 +316,7 @@ class SessionInfo(BaseModel):
     prefill_ms: float = 0.0
     vocab_size: int
     max_draft_tokens: int
+    stop_token_ids: list[int] = Field(default_factory=list)  # the tokens that end this session's answers
     protocol_version: int = PROTOCOL_VERSION
     model: str
     load: Load = Field(default_factory=Load)

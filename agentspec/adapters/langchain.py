@@ -49,8 +49,11 @@ from agentspec.router import ModeConfig, ModePolicy
 from agentspec.toolcalls import add_instruction
 from agentspec.types import SamplingParams
 
-_CALL_KWARGS = {"tools", "tool_choice", "parallel_tool_calls", "response_format", "model", "temperature", "top_p",
-                "seed", "max_tokens", "mode", "stream", "ls_structured_output_format"}
+# the sampling settings a call may override (their fields below are the defaults)
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+             "logprobs", "top_logprobs")
+_CALL_KWARGS = {"tools", "tool_choice", "parallel_tool_calls", "response_format", "model", *_SAMPLING,
+                "max_tokens", "mode", "stream", "ls_structured_output_format"}
 
 
 class ChatAgentSpec(BaseChatModel):
@@ -70,7 +73,15 @@ class ChatAgentSpec(BaseChatModel):
     api_key: SecretStr | None = Field(default_factory=secret_from_env("AGENTSPEC_API_KEY", default=None))
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    """Token ids of the target's vocabulary → added to their logits (applied in verification: lossless)."""
+    logprobs: bool | None = None
+    """Return the target's log-probability of each token in ``response_metadata["logprobs"]``."""
+    top_logprobs: int | None = None
     max_tokens: int | None = None
     """Most tokens to generate per call (default 512)."""
     timeout: float | None = None
@@ -214,9 +225,7 @@ class ChatAgentSpec(BaseChatModel):
         for text in (choice.instruction(), response_format_instruction(kwargs.get("response_format"))):
             if text:
                 chat = add_instruction(chat, text)
-        temperature = kwargs.get("temperature", self.temperature) or 0.0
-        sampling = SamplingParams(temperature=temperature, top_p=kwargs.get("top_p", self.top_p) or 1.0,
-                                  seed=kwargs.get("seed", self.seed))
+        sampling = self._sampling({k: kwargs[k] if k in kwargs else getattr(self, k) for k in _SAMPLING})
         args = {"messages": chat, "tools": None if choice.kind == "none" else tools,
                 "max_tokens": kwargs.get("max_tokens") or self.max_tokens or 512, "sampling": sampling,
                 "stop": list(stop if stop is not None else self.stop or ()), "mode": kwargs.get("mode"),
@@ -226,6 +235,16 @@ class ChatAgentSpec(BaseChatModel):
                 # the per-call or configured name (unset: the verifier's own), one the verifier serves
                 "model": model or (self.model_name if "model_name" in self.model_fields_set else None)}
         return args, choice
+
+    @staticmethod
+    def _sampling(v: dict[str, Any]) -> SamplingParams:
+        if v["top_logprobs"] is not None and not v["logprobs"]:
+            raise ValueError("top_logprobs needs logprobs=True")
+        return SamplingParams(temperature=v["temperature"] or 0.0, top_p=v["top_p"] or 1.0, top_k=v["top_k"] or 0,
+                              seed=v["seed"], presence_penalty=v["presence_penalty"] or 0.0,
+                              frequency_penalty=v["frequency_penalty"] or 0.0,
+                              logit_bias=tuple(sorted((v["logit_bias"] or {}).items())),
+                              logprobs=(v["top_logprobs"] or 0) if v["logprobs"] else None)
 
     def _chunk(self, event: Any, choice: ToolChoice, model: str | None) -> ChatGenerationChunk | None:
         if not isinstance(event, FinalEvent):

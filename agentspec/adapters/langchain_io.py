@@ -143,5 +143,7 @@ def final_chunk(final: FinalEvent, model_name: str) -> ChatGenerationChunk:
                           total_tokens=final.usage["total_tokens"])
     metadata = {"model_name": model_name, "finish_reason": final.finish_reason,
                 "agentspec": final.stats.to_dict()}
+    if final.logprobs is not None:  # where ChatOpenAI puts them
+        metadata["logprobs"] = {"content": final.logprobs}
     message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
     return ChatGenerationChunk(message=message, generation_info={"finish_reason": final.finish_reason})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import queue
 import sys
 import threading
@@ -160,6 +161,10 @@ class AgentSpecLLM(litellm.CustomLLM):
                     raise litellm.Timeout(message=f"agentspec: no complete answer within {req.timeout_s} s",
                                           model=req.model, llm_provider=PROVIDER) from e
                 if ok:
+                    if req.single_call and isinstance(item, ToolCallEvent) and item.index > 0:
+                        continue  # parallel_tool_calls=False: the first call is the answer
+                    if req.single_call and isinstance(item, FinalEvent):
+                        item = dataclasses.replace(item, tool_calls=item.tool_calls[:1])
                     yield item
                 elif item is None:
                     return
@@ -243,6 +248,8 @@ def _response(req: Request, final: FinalEvent | None, model_response: Any) -> An
     response.choices[0].message = litellm.Message(content=final.text or (None if calls else ""),
                                                   role="assistant", tool_calls=calls or None)
     response.choices[0].finish_reason = final.finish_reason
+    if final.logprobs is not None:
+        response.choices[0].logprobs = {"content": final.logprobs}
     response.model = req.model
     response.usage = litellm.Usage(**final.usage)
     response._hidden_params["agentspec"] = final.stats.to_dict()

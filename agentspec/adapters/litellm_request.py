@@ -6,7 +6,6 @@ what agentspec cannot honour raises :class:`UnsupportedRequest` (the provider's 
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -17,15 +16,13 @@ from agentspec.toolcalls import add_instruction, flatten_content, tool_choice_in
 from agentspec.transport import verifier_base
 from agentspec.types import SamplingParams
 
-_log = logging.getLogger("agentspec.litellm")
-
 DEFAULT_API_BASE = "http://127.0.0.1:8000"
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_NUM_DRAFT_TOKENS = 4
 DEFAULT_SEGMENT_TOKENS = 16
-# Accepted and deliberately ignored: they do not change what the verifier generates.
-_IGNORED = frozenset({"stream", "stream_options", "parallel_tool_calls", "user", "metadata", "extra_headers",
-                      "extra_body", "max_retries", "n"})
+# Accepted with nothing to do: handled by litellm itself (streaming, retries, headers) or bookkeeping that
+# does not change what the verifier generates; n is checked to be 1.
+_IGNORED = frozenset({"stream", "stream_options", "user", "metadata", "extra_headers", "max_retries", "n"})
 _EXTRAS = ("mode", "num_draft_tokens", "segment_tokens")  # agentspec's own knobs, via optional_params
 
 
@@ -49,6 +46,7 @@ class Request:
     mode: str | None
     num_draft_tokens: int
     segment_tokens: int
+    single_call: bool = False  # parallel_tool_calls=False: the answer keeps its first tool call only
 
     @property
     def client_key(self) -> tuple[Any, ...]:
@@ -59,8 +57,8 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
                   optional_params: dict[str, Any], timeout: Any, drop_params: bool = False) -> Request:
     """Validate litellm's arguments; raises :class:`UnsupportedRequest` for what agentspec cannot honour.
 
-    Parameters agentspec does not support are dropped with a warning naming them, silently when the
-    caller asked litellm to drop them (``drop_params=True``, per call or ``litellm.drop_params``).
+    A parameter agentspec does not support is an error naming it, unless the caller asked litellm to drop
+    such parameters (``drop_params=True``, per call or ``litellm.drop_params``): then it is dropped.
     """
     params = dict(optional_params or {})
     bad = UnsupportedRequest
@@ -76,15 +74,24 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
         messages = flatten_content([_plain(m) for m in messages])  # before any instruction is added
     except ValueError as e:
         raise bad(str(e)) from e
-    tools, messages = _apply_tool_choice(params.pop("tool_choice", None), tools, messages)
+    single = params.pop("parallel_tool_calls", None) is False and bool(tools)
+    tools, messages = _apply_tool_choice(params.pop("tool_choice", None), tools, messages, single)
     stop = params.pop("stop", None) or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     limits = [params.pop(k, None) for k in ("max_completion_tokens", "max_tokens")]
     max_tokens = next((v for v in limits if v is not None), DEFAULT_MAX_TOKENS)
     try:
+        logprobs, top = params.pop("logprobs", None), params.pop("top_logprobs", None)
+        if top is not None and not logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
         sampling = SamplingParams(temperature=float(params.pop("temperature", None) or 0.0),
                                   top_p=float(params.pop("top_p", None) or 1.0),
-                                  top_k=int(params.pop("top_k", None) or 0), seed=params.pop("seed", None))
+                                  top_k=int(params.pop("top_k", None) or 0), seed=params.pop("seed", None),
+                                  presence_penalty=float(params.pop("presence_penalty", None) or 0.0),
+                                  frequency_penalty=float(params.pop("frequency_penalty", None) or 0.0),
+                                  logit_bias=tuple(sorted((int(k), float(v)) for k, v in
+                                                          (params.pop("logit_bias", None) or {}).items())),
+                                  logprobs=int(top or 0) if logprobs else None)
     except ValueError as e:
         raise bad(str(e)) from e
     extras = {k: params.pop(k) for k in _EXTRAS if params.get(k) is not None}
@@ -96,29 +103,33 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
         raise bad(f"max_tokens must be >= 1, got {max_tokens}")
     unknown = sorted(k for k in params if k not in _IGNORED and params[k] is not None)
     if unknown and not drop_params:
-        _log.warning("agentspec provider ignores unsupported parameters: %s", ", ".join(unknown))
+        raise bad(f"the agentspec provider does not support {', '.join(map(repr, unknown))}; leave "
+                  f"{'them' if len(unknown) > 1 else 'it'} out, or pass drop_params=True to drop unsupported "
+                  "parameters")
     return Request(model=model, urls=urls, api_key=api_key or os.environ.get("AGENTSPEC_API_KEY"),
                    messages=messages, tools=tools, max_tokens=int(max_tokens), sampling=sampling, stop=stop,
                    timeout_s=_seconds(timeout), mode=mode, num_draft_tokens=int(extras.get("num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS)),
-                   segment_tokens=int(extras.get("segment_tokens", DEFAULT_SEGMENT_TOKENS)))
+                   segment_tokens=int(extras.get("segment_tokens", DEFAULT_SEGMENT_TOKENS)), single_call=single)
 
 
-def _apply_tool_choice(choice: Any, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]
-                       ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
-    """``none`` hides the tools; ``required``/named add a hint (not enforced: no constrained decoding)."""
+def _apply_tool_choice(choice: Any, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]],
+                       single: bool = False) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
+    """``none`` hides the tools; ``required``/named add a hint (not enforced: no constrained decoding), as
+    does ``single`` (``parallel_tool_calls=False``)."""
     if choice in (None, "auto") or not tools:
         if choice not in (None, "auto", "none"):
             raise UnsupportedRequest(f"tool_choice {choice!r} needs tools")
-        return tools, messages
+        hint = tool_choice_instruction(choice, single) if tools else None
+        return tools, add_instruction(messages, hint) if hint else messages
     if choice == "none":
         return None, messages
     if choice == "required":
-        return tools, add_instruction(messages, tool_choice_instruction("required"))
+        return tools, add_instruction(messages, tool_choice_instruction("required", single))
     name = ((choice.get("function") or {}).get("name") if isinstance(choice, dict) else None)
     named = [t for t in tools if (t.get("function") or {}).get("name") == name]
     if not named:
         raise UnsupportedRequest(f"tool_choice must be 'none', 'auto', 'required' or name one of the tools, got {choice!r}")
-    return named, add_instruction(messages, tool_choice_instruction({"function": {"name": name}}))
+    return named, add_instruction(messages, tool_choice_instruction({"function": {"name": name}}, single))
 
 
 def _plain(message: Any) -> dict[str, Any]:

@@ -59,6 +59,14 @@ def api_request(run: Run, model: str, timeout: float, extra: dict[str, Any]) -> 
         request["top_k"] = s.top_k  # litellm refuses it for providers without top_k (unless drop_params)
     if s.seed is not None:
         request["seed"] = s.seed
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(s, name):
+            request[name] = getattr(s, name)
+    if s.logit_bias:  # ids of the target's vocabulary: they would mean other tokens to another model
+        raise ValueError("logit_bias names the target's token ids and cannot be sent to the fallback model "
+                         f"{model!r}, whose tokenizer differs; drop logit_bias or the API fallback")
+    if s.logprobs is not None:
+        request.update(logprobs=True, top_logprobs=s.logprobs)
     if run.stop:
         request["stop"] = list(run.stop)
     if run.tools:
@@ -101,6 +109,8 @@ def api_segment(run: Run, model: str | None, timeout: float, extra: dict[str, An
                     fn = getattr(tc, "function", None)
                     slot[1] += getattr(fn, "name", None) or ""
                     slot[2] += getattr(fn, "arguments", None) or ""
+                if run.logprobs is not None and (lp := getattr(choice, "logprobs", None)) is not None:
+                    run.logprobs += [_entry(x) for x in getattr(lp, "content", None) or ()]
                 if text := getattr(delta, "content", None):
                     yield from run.feed_text(text)
         for index in sorted(pending):
@@ -110,6 +120,14 @@ def api_segment(run: Run, model: str | None, timeout: float, extra: dict[str, An
     finally:  # an API segment cut short still reports its time (and the usage that arrived)
         seg.wall_s = time.perf_counter() - t0
         _close(chunks)
+
+
+def _entry(x: Any) -> dict[str, Any]:
+    """A provider's logprobs entry (an object or a dict) in OpenAI's plain-dict form."""
+    def plain(e: Any) -> dict[str, Any]:
+        return {k: e.get(k) if isinstance(e, dict) else getattr(e, k, None) for k in ("token", "logprob", "bytes")}
+    top = x.get("top_logprobs") if isinstance(x, dict) else getattr(x, "top_logprobs", None)
+    return {**plain(x), "top_logprobs": [plain(t) for t in top or ()]}
 
 
 def _close(chunks: Any) -> None:

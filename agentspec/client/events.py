@@ -87,3 +87,4 @@ class FinalEvent:
     usage: dict[str, int]  # verifier tokens plus the API fallback's reported usage, when it answered too
     stats: ClientStats
     model: str | None = None  # the model that answered: the API model once it took over, else the verifier's
+    logprobs: list[dict[str, Any]] | None = None  # OpenAI ``logprobs.content`` entries, when asked for

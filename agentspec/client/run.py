@@ -40,6 +40,9 @@ class Run:
         # the API fallback's answer: the provider's model name and usage (None: no API segment ran)
         self.api_model: str | None = None
         self.api_usage: dict[str, int] | None = None
+        # OpenAI-form logprobs of the answer's tokens, when the sampling settings ask (stop tokens left out)
+        self.logprobs: list[dict[str, Any]] | None = [] if sampling.logprobs is not None else None
+        self.stop_token_ids: frozenset[int] = frozenset()
         # pipelined edge drafting: (the tokens it assumed committed, the draft after them)
         self.ahead: tuple[tuple[int, ...], DraftProposal] | None = None
 
@@ -67,6 +70,7 @@ class Run:
             self.tokens = list(self.prompt)
         self.sid = info.session_id
         self.served_model = info.model
+        self.stop_token_ids = frozenset(info.stop_token_ids)
 
     def round_request(self, proposal: DraftProposal) -> dict[str, Any]:
         """An edge round verifying ``proposal`` after the committed tokens."""
@@ -81,6 +85,8 @@ class Run:
     def apply(self, reply: RoundReply) -> list[Any]:
         """Commit a round's tokens; return the events they make final."""
         self.tokens.extend(reply.tokens)
+        if self.logprobs is not None and self.finish is None:
+            self.logprobs += [x.openai() for x in reply.logprobs or () if x.token not in self.stop_token_ids]
         events = self.feed_text(reply.text)
         if reply.session_finished or (reply.finished and reply.finish_reason == "stop"):
             self.finish = reply.finish_reason or "stop"
@@ -120,4 +126,4 @@ class Run:
         # the model that answered: the API model once it took over, else the verifier's served name
         model = self.api_model or self.served_model or self.model
         generated = self.tokens[len(self.prompt) :]
-        return FinalEvent(self.text, generated, list(self.calls), finish, usage, self.stats, model)
+        return FinalEvent(self.text, generated, list(self.calls), finish, usage, self.stats, model, self.logprobs)

@@ -59,7 +59,7 @@ async def completion_events(engine: VerifierEngine, req: CompletionRequest, owne
             text = stops.feed(decoder.add(kept))
             logprobs = None
             if req.logprobs is not None:
-                logprobs, offset = _legacy_logprobs(engine, reply, session.stop_token_ids, offset)
+                logprobs, offset = _legacy_logprobs(reply, session.stop_token_ids, offset)
             if text or logprobs:
                 yield chunk(text, logprobs)
             if stops.stopped or reply.finished:
@@ -77,20 +77,17 @@ async def completion_events(engine: VerifierEngine, req: CompletionRequest, owne
     yield last
 
 
-def _legacy_logprobs(engine: VerifierEngine, reply: Any, stop_ids: frozenset[int], offset: int
-                     ) -> tuple[dict[str, Any], int]:
+def _legacy_logprobs(reply: Any, stop_ids: frozenset[int], offset: int) -> tuple[dict[str, Any], int]:
     """The legacy ``logprobs`` object of a round's tokens, and the text offset after them."""
-    tok = engine.target.tokenizer
-    text = (lambda t: tok.decode([t])) if tok is not None else str
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for x in reply.logprobs or ():
         if x.token in stop_ids:
             continue
-        out["tokens"].append(text(x.token))
+        out["tokens"].append(x.text)
         out["token_logprobs"].append(x.logprob)
-        out["top_logprobs"].append({text(i): v for i, v in x.top})
+        out["top_logprobs"].append({t.text: t.logprob for t in x.top})
         out["text_offset"].append(offset)
-        offset += len(out["tokens"][-1])
+        offset += len(x.text)
     return out, offset
 
 

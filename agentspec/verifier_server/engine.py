@@ -32,6 +32,7 @@ from agentspec.protocol import (
     SessionInfo,
     Timings,
     TokenLogprob,
+    TopLogprob,
     VerifyRound,
 )
 from agentspec.round_step import commit_round, observe_round, round_inputs
@@ -166,6 +167,7 @@ class VerifierEngine:
         return SessionInfo(**{"session_id": session.id, "prompt_ids": session.tokens[: session.num_prompt_tokens],
                               "committed_len": len(session.tokens), "vocab_size": self.vocab_size,
                               "max_draft_tokens": self.config.max_draft_tokens,
+                              "stop_token_ids": sorted(session.stop_token_ids),
                               "model": self.config.served_model_name, "load": self.load(), **extra})
 
     # -- rounds ------------------------------------------------------------------------------------
@@ -310,12 +312,17 @@ class VerifierEngine:
         return RoundReply(session_id=s.id, accepted=min(out.num_accepted, len(new)), drafted=len(d),
                           tokens=new, text=text, committed_len=len(s.tokens),
                           finished=finish is not None, session_finished=session_done, finish_reason=finish,
-                          logprobs=None if out.logprobs is None else [
-                              TokenLogprob(token=t, logprob=lp, top=top) for t, (lp, top) in zip(new, out.logprobs,
-                                                                                                 strict=True)],
+                          logprobs=None if out.logprobs is None else self._logprobs(new, out.logprobs),
                           timings=Timings(queue_ms=queue_ms, verify_ms=verify_s * 1e3, draft_ms=draft_s * 1e3,
                                           batch_size=batch_size),
                           load=self.load())
+
+    def _logprobs(self, tokens: list[int], lps: list[tuple[float, list[tuple[int, float]]]]) -> list[TokenLogprob]:
+        tok = self.target.tokenizer
+        text = (lambda t: tok.decode([t])) if tok is not None else str
+        return [TokenLogprob(token=t, text=text(t), logprob=lp,
+                             top=[TopLogprob(token=i, text=text(i), logprob=v) for i, v in top])
+                for t, (lp, top) in zip(tokens, lps, strict=True)]
 
     def _decoder(self) -> IncrementalDecoder | None:
         """A session's text decoder for the tokens generated from now on."""

@@ -85,7 +85,7 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
             for ev in parser.feed(text):
                 out += _events_to_deltas(ev, calls, chunk)
                 calls += bool(ev.call)
-            for c in with_logprobs(out, _logprob_entries(engine, reply, session.stop_token_ids)):
+            for c in with_logprobs(out, _logprob_entries(reply, session.stop_token_ids)):
                 yield c
             if reply.finished or (single and calls):  # parallel_tool_calls=False: the first call ends it
                 finish = reply.finish_reason or "stop"
@@ -118,16 +118,9 @@ def _events_to_deltas(ev: Any, index: int, chunk: Any) -> list[dict[str, Any]]:
             chunk({"tool_calls": [{"index": index, "function": {"arguments": c.arguments}}]})]
 
 
-def _logprob_entries(engine: VerifierEngine, reply: Any, stop_ids: frozenset[int]) -> list[dict[str, Any]]:
+def _logprob_entries(reply: Any, stop_ids: frozenset[int]) -> list[dict[str, Any]]:
     """OpenAI's ``logprobs.content`` entries of a round's tokens (stop tokens, which add no text, left out)."""
-    tok = engine.target.tokenizer
-
-    def entry(t: int, lp: float) -> dict[str, Any]:
-        text = tok.decode([t]) if tok is not None else str(t)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-
-    return [{**entry(x.token, x.logprob), "top_logprobs": [entry(i, v) for i, v in x.top]}
-            for x in reply.logprobs or () if x.token not in stop_ids]
+    return [x.openai() for x in reply.logprobs or () if x.token not in stop_ids]
 
 
 async def chat_completion(engine: VerifierEngine, req: ChatRequest, owner: str) -> dict[str, Any]:

@@ -170,3 +170,15 @@ def test_a_switch_mid_answer_sums_both_parts_usage(target, provider):
                            "completion_tokens": committed + rest["usage"]["completion_tokens"],
                            "total_tokens": len(prompt) + committed + rest["usage"]["total_tokens"]}
     assert final.model == NAME  # the provider finished the answer
+
+
+def test_penalties_and_logprobs_reach_the_provider(provider):
+    """Penalties and logprobs go to the provider (its answer and logprobs equal a direct request's);
+    logit_bias names the target's token ids, meaningless to another model: refused, not sent."""
+    kw = {"presence_penalty": -2.0, "frequency_penalty": -2.0}  # repeat what was said: a visible change
+    ref = direct(provider, logprobs=True, top_logprobs=2, **kw)
+    final = api_client(provider).generate(MESSAGES, max_tokens=MAX, sampling=SamplingParams(logprobs=2, **kw))
+    assert final.text == ref["choices"][0]["message"]["content"] != direct(provider)["choices"][0]["message"]["content"]
+    assert [e["token"] for e in final.logprobs] == [e["token"] for e in ref["choices"][0]["logprobs"]["content"]]
+    with pytest.raises(ValueError, match="logit_bias"):
+        api_client(provider).generate(MESSAGES, max_tokens=MAX, sampling=SamplingParams(logit_bias={5: 1.0}))

@@ -307,19 +307,14 @@ def test_first_call_prints_no_provider_list(litellm_mod, server, capfd):
     assert "Provider List" not in capfd.readouterr().out
 
 
-def test_dropped_parameters_are_not_warned_about_when_dropping_was_asked(litellm_mod, server, caplog):
-    """``drop_params=True`` (per call or litellm-wide) drops unsupported parameters silently, as litellm
-    does; without it the provider's warning names them."""
-    caplog.set_level("WARNING", logger="agentspec.litellm")
-    litellm_mod.completion(messages=PLAIN, service_tier="flex", **_call(server, max_tokens=2))
-    assert "service_tier" in caplog.text
-    caplog.clear()
-    litellm_mod.completion(messages=PLAIN, service_tier="flex", drop_params=True,
-                           **_call(server, max_tokens=2))
-    assert "service_tier" not in caplog.text
+def test_unsupported_parameters_are_refused_unless_dropping_was_asked(litellm_mod, server):
+    """An unsupported parameter is a BadRequestError naming it; ``drop_params=True`` (per call or
+    litellm-wide) drops it, as litellm does for its own providers."""
+    with pytest.raises(litellm_mod.BadRequestError, match="service_tier"):
+        litellm_mod.completion(messages=PLAIN, service_tier="flex", **_call(server, max_tokens=2))
+    litellm_mod.completion(messages=PLAIN, service_tier="flex", drop_params=True, **_call(server, max_tokens=2))
     litellm_mod.drop_params = True
     try:
         litellm_mod.completion(messages=PLAIN, service_tier="flex", **_call(server, max_tokens=2))
     finally:
         litellm_mod.drop_params = False
-    assert "service_tier" not in caplog.text

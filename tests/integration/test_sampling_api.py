@@ -152,3 +152,42 @@ def test_response_format_is_shown_to_the_model_and_said_so(servers, rf):
     bare, asked = chat(plain.url), chat(plain.url, response_format=rf)
     assert asked["usage"]["prompt_tokens"] > bare["usage"]["prompt_tokens"]  # the instruction is in the prompt
     assert asked["agentspec"]["structure"] == "instructed" and bare["agentspec"]["structure"] is None
+
+
+PROCESSING = {"presence_penalty": 1.2, "frequency_penalty": 0.8, "logit_bias": {"70": -100.0}}
+
+
+@pytest.mark.parametrize("mode", ["server-ar", "server", "edge"])
+def test_chat_agentspec_honours_the_sampling_fields_in_every_mode(servers, mode):
+    """The same processed answer and the target's logprobs through ChatAgentSpec as from the endpoint,
+    edge mode (the client's n-gram drafts verified under the processing) included."""
+    from agentspec.adapters.langchain import ChatAgentSpec
+    from agentspec.drafters import NgramDrafter
+
+    plain, spec = servers
+    want = chat(plain.url, logprobs=True, top_logprobs=2, **PROCESSING)
+    llm = ChatAgentSpec(model="tiny", base_url=spec.url, max_tokens=24, mode=mode,
+                        drafter=NgramDrafter() if mode == "edge" else None,
+                        logit_bias={70: -100.0}, logprobs=True, top_logprobs=2)
+    msg = llm.invoke(MSGS[0]["content"], presence_penalty=1.2, frequency_penalty=0.8)
+    assert msg.content == content(want)
+    got = msg.response_metadata["logprobs"]["content"]
+    assert [e["token"] for e in got] == [e["token"] for e in want["choices"][0]["logprobs"]["content"]]
+    assert [e["logprob"] for e in got] == pytest.approx(
+        [e["logprob"] for e in want["choices"][0]["logprobs"]["content"]], abs=1e-4)
+
+
+def test_litellm_provider_honours_the_sampling_fields(servers):
+    from agentspec.adapters import litellm as adapter
+
+    adapter.register()
+    plain, _ = servers
+    want = chat(plain.url, logprobs=True, top_logprobs=1, **PROCESSING)
+    resp = adapter.litellm.completion(model="agentspec/tiny", api_base=plain.url, messages=MSGS, max_tokens=24,
+                                      logprobs=True, top_logprobs=1, timeout=60, **PROCESSING)
+    assert resp.choices[0].message.content == content(want)
+    assert [e["token"] for e in resp.choices[0].logprobs["content"]] == \
+        [e["token"] for e in want["choices"][0]["logprobs"]["content"]]
+    with pytest.raises(adapter.litellm.BadRequestError, match="repetition_penalty"):
+        adapter.litellm.completion(model="agentspec/tiny", api_base=plain.url, messages=MSGS, max_tokens=4,
+                                   repetition_penalty=1.1, timeout=60)

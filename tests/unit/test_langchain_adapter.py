@@ -120,8 +120,13 @@ def test_call_arguments_reach_the_client(monkeypatch):
     assert call["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     model.invoke("hi", stop=["!"], max_tokens=3)
     assert client.calls[-1]["stop"] == ["!"] and client.calls[-1]["max_tokens"] == 3
+    model.invoke("hi", frequency_penalty=1.0, logit_bias={5: -2.0}, logprobs=True, top_logprobs=2, top_k=4)
+    s = client.calls[-1]["sampling"]
+    assert (s.frequency_penalty, s.logit_bias, s.logprobs, s.top_k) == (1.0, ((5, -2.0),), 2, 4)
     with pytest.raises(TypeError, match="unsupported call arguments"):
-        model.invoke("hi", frequency_penalty=1.0)
+        model.invoke("hi", repetition_penalty=1.1)
+    with pytest.raises(ValueError, match="top_logprobs needs logprobs"):
+        model.invoke("hi", top_logprobs=2)
     assert client.calls[-1]["model"] == "tiny"  # the configured name goes to the verifier, which checks it
     ChatAgentSpec(base_url=URL).invoke("hi")
     assert client.calls[-1]["model"] is None  # no name configured: the session uses the verifier's own
