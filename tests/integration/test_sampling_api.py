@@ -191,3 +191,15 @@ def test_litellm_provider_honours_the_sampling_fields(servers):
     with pytest.raises(adapter.litellm.BadRequestError, match="repetition_penalty"):
         adapter.litellm.completion(model="agentspec/tiny", api_base=plain.url, messages=MSGS, max_tokens=4,
                                    repetition_penalty=1.1, timeout=60)
+
+
+def test_openai_client_reads_logprobs(servers):
+    from openai import OpenAI
+
+    plain, _ = servers
+    client = OpenAI(base_url=plain.url + "/v1", api_key="unused", http_client=httpx.Client(timeout=60))
+    resp = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8, logprobs=True, top_logprobs=2,
+                                          presence_penalty=0.5, extra_body={"top_k": 5})
+    entries = resp.choices[0].logprobs.content
+    assert "".join(e.token for e in entries) == resp.choices[0].message.content
+    assert all(len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode()) for e in entries)
