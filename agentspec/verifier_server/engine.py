@@ -195,35 +195,53 @@ class VerifierEngine:
         """An edge-mode round: the client's draft, verified (batched with other sessions' rounds)."""
         req.check_against(self.vocab_size, self.config.max_draft_tokens)
         async with session_guard(session):
-            self._prepare(session, req.base_len, req.new_tokens)
-            return await self.scheduler.submit(RoundItem(session, req.draft.to_proposal(), req.sampling))
+            restore = _snapshot(session)
+            try:
+                self._prepare(session, req.base_len, req.new_tokens)
+                return await self.scheduler.submit(RoundItem(session, req.draft.to_proposal(), req.sampling))
+            except Exception:  # not a cancellation: its round may still be running on the model thread
+                restore()  # a refused or failed round leaves the session exactly as it was
+                raise
 
     async def generate(self, session: Session, req: Generate) -> AsyncIterator[RoundReply]:
         """Server mode (its own drafter) or server-ar (plain): stream rounds until a stop or the limit."""
         req.check_against(self.vocab_size, self.config.max_draft_tokens)
+        if req.mode == "server" and req.drafter == "model" and self.draft_model is None:
+            raise ProtocolError('drafter "model" needs a server started with --draft-model; use "default"',
+                                param="drafter")  # refused before the session changes at all
         async with session_guard(session):
-            self._prepare(session, req.base_len, req.new_tokens)
-            start = session.num_generated
-            drafter, policy, gamma = None, None, 0
-            if req.mode == "server":
-                gamma = req.num_draft_tokens if req.num_draft_tokens is not None else self.config.default_num_draft_tokens
-                name = "model" if self.draft_model is not None else "copy"
-                if req.drafter == "model" and self.draft_model is None:
-                    raise ProtocolError('drafter "model" needs a server started with --draft-model; '
-                                        'use "default"', param="drafter")
-                if session.drafter is None or session.drafter_kind != req.drafter:
-                    # kept on the session: its KV cache follows later turns too
-                    session.drafter, session.drafter_kind = self._server_drafter(req.drafter), req.drafter
-                drafter = session.drafter
-                policy = self.policies.get(name) if req.num_draft_tokens is None else None
-            while True:
-                left = req.max_new_tokens - (session.num_generated - start)
-                round_gamma = min(gamma, left - 1) if gamma > 0 else -1  # -1: no draft at all, not even forced
-                item = RoundItem(session, DraftProposal(), req.sampling, drafter, round_gamma, policy)
-                reply = await self.scheduler.submit(item, limit=start + req.max_new_tokens)
+            restore, rounds = _snapshot(session), self._rounds(session, req)
+            try:
+                self._prepare(session, req.base_len, req.new_tokens)
+                first = await rounds.__anext__()
+            except Exception:  # not a cancellation: its round may still be running on the model thread
+                await rounds.aclose()
+                restore()  # nothing was committed yet: the session is left exactly as it was
+                raise
+            yield first
+            async for reply in rounds:
                 yield reply
-                if reply.finished:
-                    return
+
+    async def _rounds(self, session: Session, req: Generate) -> AsyncIterator[RoundReply]:
+        """``generate``'s rounds, after its ``new_tokens`` were appended."""
+        start = session.num_generated
+        drafter, policy, gamma = None, None, 0
+        if req.mode == "server":
+            gamma = req.num_draft_tokens if req.num_draft_tokens is not None else self.config.default_num_draft_tokens
+            name = "model" if self.draft_model is not None else "copy"
+            if session.drafter is None or session.drafter_kind != req.drafter:
+                # kept on the session: its KV cache follows later turns too
+                session.drafter, session.drafter_kind = self._server_drafter(req.drafter), req.drafter
+            drafter = session.drafter
+            policy = self.policies.get(name) if req.num_draft_tokens is None else None
+        while True:
+            left = req.max_new_tokens - (session.num_generated - start)
+            round_gamma = min(gamma, left - 1) if gamma > 0 else -1  # -1: no draft at all, not even forced
+            item = RoundItem(session, DraftProposal(), req.sampling, drafter, round_gamma, policy)
+            reply = await self.scheduler.submit(item, limit=start + req.max_new_tokens)
+            yield reply
+            if reply.finished:
+                return
 
     def _server_drafter(self, kind: str) -> Drafter:
         """A new server-mode drafter of ``kind`` (``Generate.drafter``), built through the registry."""
@@ -340,3 +358,26 @@ class VerifierEngine:
     def shutdown(self) -> None:
         if self._owns_executor:
             self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _snapshot(session: Session) -> Callable[[], None]:
+    """A function putting ``session`` back as it is now: committed tokens, turn start, finish state, text
+    decoder, RNG (a sampled round may draw before it fails). The KV cache needs no copy: a failed round
+    crops it back to ``num_cached`` itself (:meth:`VerifierEngine.execute`), and drafters follow the
+    committed tokens."""
+    n, prompt, finished, reason = len(session.tokens), session.num_prompt_tokens, session.finished, \
+        session.finish_reason
+    decoder, generator, seed = session.decoder, session.generator, session.seed
+    state = generator.get_state() if generator is not None else None
+
+    def restore() -> None:
+        del session.tokens[n:]
+        session.num_prompt_tokens, session.finished, session.finish_reason = prompt, finished, reason
+        session.decoder, session.generator, session.seed = decoder, generator, seed
+        if generator is not None:
+            generator.set_state(state)
+        if session.num_cached > n:
+            models.crop_cache(session.cache, n)
+            session.num_cached = n
+
+    return restore

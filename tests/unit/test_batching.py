@@ -182,3 +182,40 @@ def test_a_short_round_runs_between_a_long_prompts_prefill_chunks(target):
     assert long_session.num_cached == len(long_prompt) - 1
     (o,) = engine.execute([RoundItem(long_session, DraftProposal(), Sampling())], [None])
     assert o.reply.tokens == plain_greedy(target, long_prompt, 1)
+
+
+@pytest.mark.parametrize("stage", ["forward", "commit"])
+def test_a_round_failing_halfway_leaves_the_session_exactly_as_it_was(target, stage, monkeypatch):
+    """A sampled edge round with new_tokens failing in the pass or in its commit (after verification drew
+    from the RNG and KV positions were appended): tokens, turn start, RNG state and KV length are as before,
+    so the retried request gives what a session that never failed gives."""
+    from agentspec.protocol import VerifyRound
+
+    def fresh():
+        engine = VerifierEngine(target, ServerConfig())
+        s = asyncio.run(engine._create_and_prefill(key_owner(None), make_prompt(5, 30), 16, frozenset({EOS})))[0]
+        return engine, s
+
+    def request(s, new=()):
+        return VerifyRound(base_len=len(s.tokens), new_tokens=list(new), sampling=Sampling(temperature=1.0, seed=11))
+
+    (engine, s), (ref_engine, ref) = fresh(), fresh()
+    assert asyncio.run(engine.verify_round(s, request(s))).tokens == \
+        asyncio.run(ref_engine.verify_round(ref, request(ref))).tokens  # both generators made and drawn once
+    before = (list(s.tokens), s.num_prompt_tokens, s.num_cached, s.generator.get_state().clone())
+    name = "forward" if stage == "forward" else "keep_cache_positions"  # commit_round's KV step
+    real = getattr(models, name)
+
+    def fail_once(*a, **k):
+        monkeypatch.setattr(models, name, real)
+        if stage == "forward":
+            real(*a, **k)  # the pass appends KV, then fails
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(models, name, fail_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        asyncio.run(engine.verify_round(s, request(s, [7, 8, 9])))
+    assert (list(s.tokens), s.num_prompt_tokens, s.num_cached) == before[:3]
+    assert torch.equal(s.generator.get_state(), before[3]) and models.cache_length(s.cache) == s.num_cached
+    assert asyncio.run(engine.verify_round(s, request(s, [7, 8, 9]))).tokens == \
+        asyncio.run(ref_engine.verify_round(ref, request(ref, [7, 8, 9]))).tokens
