@@ -19,6 +19,7 @@ from typing import Any
 from agentspec.client.api import api_segment, check_api_kwargs
 from agentspec.client.edge import EdgeDrafting
 from agentspec.client.events import FinalEvent, PreviewEvent, SegmentStats, TextEvent, ToolCallEvent
+from agentspec.client.health import VerifierHealth
 from agentspec.client.ops import Call, Pools, Steps, WhileDrafting, adrive, drive
 from agentspec.client.run import Run
 from agentspec.drafters import make_drafter
@@ -68,6 +69,7 @@ class SpecClient:
             raise ValueError("give at least one verifier base URL or a fallback_model")
         api_key = api_key if api_key is not None else os.environ.get("AGENTSPEC_API_KEY")
         self.transports = [HTTPTransport(u, api_key=api_key, timeout=timeout, retries=retries) for u in urls]
+        self.health = VerifierHealth(len(self.transports))  # failed verifiers back off, then come back
         self.drafter, self.tokenizer, self.num_draft_tokens = drafter, tokenizer, num_draft_tokens
         self.mode, self.fallback_model, self.segment_tokens = mode, fallback_model, segment_tokens
         self.server_drafter, self.timeout = server_drafter, timeout
@@ -163,6 +165,7 @@ class SpecClient:
         t = self.transports[run.verifier]
         if run.sid is None:
             reply = yield Call(t.post, t.apost, ("/v1/spec/sessions", run.open_request()))
+            self.health.ok(run.verifier)
             info = SessionInfo.model_validate(reply.body)
             run.opened(info)
             self.policy.observe_open(reply.wall_s, info.prefill_ms / 1e3)
@@ -237,8 +240,10 @@ class SpecClient:
         run.sid = None
         if isinstance(error, ResendPrefix) and len(run.stats.fallbacks) <= 3:
             return  # same verifier, new session with the full prefix
-        if run.verifier + 1 < len(self.transports):
-            run.verifier += 1
+        self.health.failed(run.verifier)  # later requests skip it until its backoff ends
+        nxt = self.health.after(run.verifier)
+        if nxt is not None and len(run.stats.fallbacks) <= 2 * len(self.transports):
+            run.verifier = nxt
             return
         if self.fallback_model is not None:
             run.mode = "api"
@@ -272,6 +277,11 @@ class SpecClient:
                   response_format, model)
         if not self.transports:
             run.mode = "api"
+            return run
+        first = self.health.first()
+        if first is None and self.fallback_model is not None:
+            run.mode = "api"  # every verifier is backing off: do not pay a failed connect per request
+        run.verifier = first if first is not None else self.health.soonest()
         return run
 
     def _logged(self, run: Run, final: FinalEvent) -> FinalEvent:

@@ -27,15 +27,15 @@ class LocalVerifier:
 
     def __init__(self, target: LoadedModel, config: ServerConfig | None = None,
                  draft_model: LoadedModel | None = None, warm: bool = True,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 executor: ThreadPoolExecutor | None = None, port: int = 0) -> None:
         """``executor``: the thread ``target`` was loaded on (:func:`agentspec.models.model_thread`), so one
-        thread runs all of its torch ops; a new one by default."""
+        thread runs all of its torch ops; a new one by default. ``port`` 0: any free port."""
         config = config or ServerConfig()
         self.engine = VerifierEngine(target, config, draft_model=draft_model, metrics=Metrics(config.served_model_name),
                                      executor=executor)
         if warm:
             self.engine.warm_up()
-        cfg = uvicorn.Config(create_app(self.engine), host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+        cfg = uvicorn.Config(create_app(self.engine), host="127.0.0.1", port=port, log_level="warning", lifespan="off",
                              **config.uvicorn_options())
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="agentspec-verifier")

@@ -18,8 +18,8 @@ class LoopbackServer(LocalVerifier):
     """Start with ``with LoopbackServer(target, config) as srv:``; ``srv.url`` is the base URL."""
 
     def __init__(self, target: LoadedModel, config: ServerConfig | None = None,
-                 draft_model: LoadedModel | None = None, warm: bool = True) -> None:
-        super().__init__(target, config or ServerConfig(served_model_name="tiny"), draft_model, warm)
+                 draft_model: LoadedModel | None = None, warm: bool = True, port: int = 0) -> None:
+        super().__init__(target, config or ServerConfig(served_model_name="tiny"), draft_model, warm, port=port)
 
 
 @dataclass
