@@ -1,16 +1,26 @@
-"""CPU linear layers on oneDNN with weights packed once at load time (:class:`PackedLinear`), and the
-memory they take (:func:`resident_weight_bytes`: ``state_dict`` sizes miss packed weights)."""
+"""CPU linear layers on oneDNN with weights packed once at load time (:class:`PackedLinear`), the
+memory they take (:func:`resident_weight_bytes`: ``state_dict`` sizes miss packed weights), and giving the
+memory that load freed back to the OS (:func:`release_freed_memory`)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import logging
+from collections import Counter
 from typing import Any
 
 import torch
 
-__all__ = ["PackedLinear", "is_packed", "pack_cpu_linears", "resident_weight_bytes"]
+__all__ = ["PackedLinear", "is_packed", "pack_cpu_linears", "release_freed_memory", "resident_weight_bytes"]
 
 log = logging.getLogger(__name__)
+
+try:
+    _LIBC: Any = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+except OSError:  # not glibc (or no libc to load): there is nothing to trim
+    _LIBC = None
 
 
 class PackedLinear(torch.nn.Module):
@@ -112,24 +122,58 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def pack_cpu_linears(model: torch.nn.Module) -> int:
+def release_freed_memory() -> None:
+    """Collect garbage, then hand the heap pages glibc keeps after ``free`` back to the OS (``malloc_trim``).
+
+    Why loading needs it: once a large block has been freed, glibc raises its mmap threshold (up to
+    32 MiB), so weight-sized tensors allocated later come from the heap, and freed heap pages stay
+    resident until trimmed. Without a trim, the dense weights replaced by packed ones (and a GGUF's
+    dequantisation buffers) stay in RSS next to the weights in use: a second copy in all but name.
+    A no-op where the C library has no ``malloc_trim``.
+    """
+    gc.collect()
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def pack_cpu_linears(model: torch.nn.Module, *, pack_tied: bool = False) -> int:
     """Replace every ``nn.Linear`` of a CPU model by a :class:`PackedLinear`; returns how many were packed.
 
-    Inference only (the packed weights take no gradients). Linears not on the CPU are left alone.
+    Inference only (the packed weights take no gradients). Linears not on the CPU are left alone, and so is
+    a linear whose weight is tied to another parameter (an LM head sharing the input embeddings) unless
+    ``pack_tied``: the packed layout cannot be shared, so packing it would keep a second full copy of
+    that matrix resident. Each dense weight is dropped as soon as its packed copy exists, and freed memory
+    is returned to the OS as packing goes, so the load peak stays near one copy of the weights.
     """
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return 0
-    count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is not torch.nn.Linear or child.weight.device.type != "cpu":
-                continue
-            try:
-                setattr(module, name, PackedLinear(child))
-            except RuntimeError as e:  # no oneDNN kernel for this dtype: keep stock linears
-                log.info("not packing linears (%s): %s", child.weight.dtype, str(e).splitlines()[0])
-                return count
-            count += 1
+    # where each parameter's data starts (not its storage: a checkpoint mapped from disk may back many);
+    # a comprehension, so that no loop variable keeps the last weight alive through the packing
+    pointers = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
+    # (parent, name) pairs, not the linears themselves: a list holding the old modules would keep every
+    # dense weight alive until the end, next to its packed copy
+    sites = [(module, name) for module in model.modules() for name, child in module.named_children()
+             if type(child) is torch.nn.Linear and child.weight.device.type == "cpu"]
+    count = freed = 0
+    for module, name in sites:
+        child = getattr(module, name)
+        if not pack_tied and pointers[child.weight.data_ptr()] > 1:
+            log.info("not packing %s: its weight is tied to another parameter", name)
+            continue
+        try:
+            packed = PackedLinear(child)
+        except RuntimeError as e:  # no oneDNN kernel for this dtype: keep stock linears
+            log.info("not packing linears (%s): %s", child.weight.dtype, str(e).splitlines()[0])
+            break
+        freed += child.weight.numel() * child.weight.element_size()
+        setattr(module, name, packed)
+        del child
+        count += 1
+        if freed >= 1 << 28:  # trim every 256 MiB: bounds the peak without a trim per layer
+            release_freed_memory()
+            freed = 0
+    release_freed_memory()
     return count
 
 

