@@ -76,6 +76,9 @@ class ServerConfig:
         "keep-alive"))
     max_connections: int = field(default=1024, metadata=_flag(
         "most concurrent HTTP connections; beyond it new requests get a 503 (the fd limit is raised to fit)"))
+    header_timeout_s: float = field(default=10.0, metadata=_flag(
+        "seconds a new request's headers may take to arrive before a 408 (slow or silent clients)",
+        positive(float), "header-timeout"))
     body_timeout_s: float = field(default=30.0, metadata=_flag(
         "seconds a request body may take to arrive before a 408", positive(float), "body-timeout"))
     log_stats_interval_s: float = field(default=10.0, metadata=_flag(
@@ -84,7 +87,10 @@ class ServerConfig:
 
     def uvicorn_options(self) -> dict[str, Any]:
         """The HTTP server's settings these limits imply (the CLI and :class:`LocalVerifier` share them)."""
-        return {"timeout_keep_alive": int(math.ceil(self.keep_alive_s)), "limit_concurrency": self.max_connections}
+        from agentspec.verifier_server.http import header_deadline_protocol
+
+        return {"timeout_keep_alive": int(math.ceil(self.keep_alive_s)), "limit_concurrency": self.max_connections,
+                "http": header_deadline_protocol(self.header_timeout_s)}
 
     @property
     def served_names(self) -> tuple[str, ...]:

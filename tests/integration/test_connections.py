@@ -65,3 +65,19 @@ def test_a_non_streamed_request_stops_when_its_client_leaves(target):
         time.sleep(0.5)
         assert _generated(srv) == first < 900  # nothing more was generated
         assert not any(s.busy for s in srv.engine.store._sessions.values())
+
+
+def test_slow_headers_get_a_408_and_free_their_connection(target):
+    with LoopbackServer(target, config(header_timeout_s=0.5)) as srv:
+        silent, slow = _connect(srv.url), _connect(srv.url)
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        t0 = time.monotonic()
+        for s in (silent, slow):
+            reply = s.recv(4096).decode()
+            assert reply.startswith("HTTP/1.1 408") and "--header-timeout" in reply, reply
+            assert s.recv(4096) == b""  # closed
+        assert time.monotonic() - t0 < 5
+        with httpx.Client(base_url=srv.url, timeout=10) as c:  # a normal client, keep-alive across the deadline
+            assert c.get("/health").status_code == 200
+            time.sleep(0.8)
+            assert c.get("/health").status_code == 200
