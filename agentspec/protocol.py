@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentspec.toolcalls import flatten_content
+from agentspec.toolcalls import check_structure, flatten_content
 from agentspec.types import DraftProposal, SamplingParams, SparseDist, check_parents
 
 PROTOCOL_VERSION = 1
@@ -194,6 +194,7 @@ class OpenSession(_Strict):
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
         self.messages = flatten_content(self.messages) if self.messages else self.messages
+        check_structure(self.tools, self.tool_choice, self.response_format)
         if self.protocol_version != PROTOCOL_VERSION:
             raise ValueError(f"this server speaks protocol version {PROTOCOL_VERSION}")
         return self

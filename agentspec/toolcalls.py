@@ -290,6 +290,61 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_structure(tools: list[dict[str, Any]] | None, tool_choice: Any, response_format: Any) -> None:
+    """Raise ValueError saying what to fix unless ``tools`` are OpenAI function tools whose ``parameters``
+    are JSON Schemas, ``tool_choice`` is one of OpenAI's forms (naming one of the tools) and a
+    ``response_format`` JSON schema is a JSON Schema."""
+    from jsonschema import SchemaError
+    from jsonschema.validators import validator_for
+
+    def schema(value: Any, where: str) -> None:
+        if not isinstance(value, dict | bool):
+            raise ValueError(f"{where} must be a JSON Schema object")
+        try:
+            validator_for(value).check_schema(value)
+        except SchemaError as e:
+            path = "".join(f"[{p!r}]" for p in e.path)
+            raise ValueError(f"{where}{path} is not a valid JSON Schema: {e.message}") from None
+        except RecursionError:
+            raise ValueError(f"{where} is nested too deeply") from None
+
+    names = set()
+    for i, t in enumerate(tools or ()):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': …, "
+                             "'parameters': {…}}}}")
+        names.add(fn["name"])
+        if fn.get("parameters") is not None:
+            schema(fn["parameters"], f"tools[{i}].function.parameters")
+    tc = tool_choice
+    if isinstance(tc, dict):
+        fn = tc.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tc.get("type", "function") != "function" or not isinstance(name, str):
+            raise ValueError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
+                             "'function': {'name': <a tool's name>}}")
+        if name not in names:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+    elif tc is not None and tc not in ("auto", "none", "required"):
+        raise ValueError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
+                         "'function': {'name': …}}")
+    if tc == "required" and not names:
+        raise ValueError("tool_choice 'required' needs tools")
+    rf = response_format
+    if rf is None:
+        return
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema'")
+    if rf["type"] == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError("response_format json_schema needs a 'json_schema' object")
+        if spec.get("schema") is not None:
+            schema(spec["schema"], "response_format.json_schema.schema")
+
+
 def normalise_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """OpenAI tools with JSON-schema parameters; BFCL's ``"dict"`` type becomes ``"object"``."""
     if not tools:

@@ -11,6 +11,7 @@ matcher is dropped until the next opening.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,9 @@ def ll_tokenizer(tokenizer: Any) -> Any:
                 _LL_TOKENIZERS.pop(next(iter(_LL_TOKENIZERS)))
             _LL_TOKENIZERS[id(tokenizer)] = hit
         return hit[1]
+
+
+log = logging.getLogger(__name__)
 
 
 class _TokensByText:
@@ -197,10 +201,15 @@ class GrammarDrafter:
         if key not in self._grammars:
             if len(self._grammars) >= self.max_grammars:
                 self._grammars.pop(next(iter(self._grammars)))
-            g = ToolCallGrammar(self.tokenizer, ctx.tools, ctx.tool_choice, ctx.response_format)
+            try:
+                g: ToolCallGrammar | None = ToolCallGrammar(self.tokenizer, ctx.tools, ctx.tool_choice,
+                                                            ctx.response_format)
+            except Exception as e:  # a schema the grammar builder cannot read: draft without it (lossless)
+                log.info("no grammar drafts for this request's tools/response_format: %s", e)
+                g = None
             self._grammars[key] = g
         g = self._grammars[key]
-        return None if g.empty else g
+        return None if g is None or g.empty else g
 
     def _engage_at_start(self, ctx: DraftContext) -> Any | None:
         """A matcher for the answer's start: when the prompt ends with an opening (an assistant prefill

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentspec.protocol import Sampling
-from agentspec.toolcalls import flatten_content
+from agentspec.toolcalls import check_structure, flatten_content
 
 
 class SamplingRequest(BaseModel):
@@ -115,38 +115,9 @@ class ChatRequest(SamplingRequest):
                 raise ValueError(f"messages[{i}].content must be a string, a list of content parts or null")
         return flatten_content(v)
 
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        for i, t in enumerate(v or ()):
-            fn = t.get("function") if isinstance(t, dict) else None
-            if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': …, "
-                                 "'parameters': {…}}}}")
-        return v
-
     @model_validator(mode="after")
     def _choice(self) -> ChatRequest:
-        names = {t["function"]["name"] for t in self.tools or ()}
-        tc = self.tool_choice
-        if isinstance(tc, str) and tc not in ("auto", "none", "required"):
-            raise ValueError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
-                             "'function': {'name': …}}")
-        if isinstance(tc, dict):
-            fn = tc.get("function")
-            name = fn.get("name") if isinstance(fn, dict) else None
-            if tc.get("type", "function") != "function" or not isinstance(name, str):
-                raise ValueError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
-                                 "'function': {'name': <a tool's name>}}")
-            if name not in names:
-                raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
-        if tc in ("required",) and not names:
-            raise ValueError("tool_choice 'required' needs tools")
-        rf = self.response_format
-        if rf is not None and rf.get("type") not in ("text", "json_object", "json_schema"):
-            raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema'")
-        if rf is not None and rf.get("type") == "json_schema" and not isinstance(rf.get("json_schema"), dict):
-            raise ValueError("response_format json_schema needs a 'json_schema' object")
+        check_structure(self.tools, self.tool_choice, self.response_format)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self

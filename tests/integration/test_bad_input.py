@@ -237,3 +237,34 @@ def test_good_session_kept_its_tokens(client, session, target):
         if r.json()["finished"]:
             break
     assert tokens == plain_greedy(target, PROMPT, 24)
+
+
+ODD_SCHEMAS = {"required 5": {"type": "object", "required": 5}, "required [[1]]": {"required": [[1]]},
+               "type a list of numbers": {"type": [1, 2]}, "not an object": 5}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_SCHEMAS))
+def test_odd_schemas_are_400s_everywhere(client, session, case):
+    """Valid JSON that is not a JSON Schema, in tools or response_format, on every door: a 400 naming
+    where it is, never a session whose server-mode rounds then fail with a 500."""
+    bad = ODD_SCHEMAS[case]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": bad}}]
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}
+    msgs = [{"role": "user", "content": "x"}]
+    for path, body, where in [("/v1/spec/sessions", {"prompt_ids": [2, 3], "tools": tools}, "tools[0]"),
+                              ("/v1/spec/sessions", {"prompt_ids": [2, 3], "response_format": rf}, "response_format"),
+                              ("/v1/chat/completions", {"messages": msgs, "tools": tools}, "tools[0]"),
+                              ("/v1/chat/completions", {"messages": msgs, "response_format": rf}, "response_format")]:
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and where in r.json()["error"]["message"], (path, r.text)
+    _still_serving(client, session)
+
+
+def test_a_schema_the_grammar_cannot_read_only_disables_grammar_drafts(client, session):
+    """A valid schema the grammar builder does not handle still decodes (no grammar drafts, lossless)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/nowhere"}}}}}]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                  "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    _still_serving(client, session)
