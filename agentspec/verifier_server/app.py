@@ -154,9 +154,14 @@ def create_app(engine: VerifierEngine) -> FastAPI:
                                        code="invalid_request"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        headers = dict(e.headers or {})
+        if e.status_code == 405:  # every method the path takes, not only the first matching route's
+            methods = {m for r in app.router.routes if getattr(r, "path_regex", None) is not None
+                       and r.path_regex.match(request.url.path) for m in getattr(r, "methods", None) or ()}
+            headers["Allow"] = ", ".join(sorted(methods)) or headers.get("Allow", "")
         return JSONResponse(error_body(str(e.detail), ERROR_TYPES.get(e.status_code, "invalid_request_error"),
-                                       code=str(e.status_code)), status_code=e.status_code, headers=e.headers)
+                                       code=str(e.status_code)), status_code=e.status_code, headers=headers)
 
     app.add_middleware(_InternalErrors)
     # outermost: sees a streamed response to its last byte, or the client leave

@@ -367,6 +367,7 @@ def _snapshot(session: Session) -> Callable[[], None]:
     committed tokens."""
     n, prompt, finished, reason = len(session.tokens), session.num_prompt_tokens, session.finished, \
         session.finish_reason
+    cached = session.num_cached
     decoder, generator, seed = session.decoder, session.generator, session.seed
     state = generator.get_state() if generator is not None else None
 
@@ -376,8 +377,8 @@ def _snapshot(session: Session) -> Callable[[], None]:
         session.decoder, session.generator, session.seed = decoder, generator, seed
         if generator is not None:
             generator.set_state(state)
-        if session.num_cached > n:
-            models.crop_cache(session.cache, n)
-            session.num_cached = n
+        if session.num_cached != cached or models.cache_length(session.cache) > cached:
+            models.crop_cache(session.cache, cached)  # a commit that wrote before the failure: undo its KV too
+            session.num_cached = cached
 
     return restore

@@ -213,9 +213,10 @@ class KVStore:
         """The session to evict to make room for ``owner`` (fair between API keys, LRU within one).
 
         Closed sessions (reusable prefixes only) go first: ``owner``'s own, then those of the key holding
-        the most KV bytes. Then ``owner``'s own idle open sessions. Another key's open session goes only
-        while that key holds more than its fair share (``max_sessions`` or the KV cap split evenly over
-        the keys with open sessions), so one key's flood evicts its own sessions, not a quiet tenant's."""
+        the most KV bytes. Then the open sessions of another key holding more than its fair share
+        (``max_sessions`` or the KV cap split evenly over the keys with open sessions), the heaviest key's
+        first; then ``owner``'s own idle sessions. So one key's flood evicts its own sessions, never a
+        tenant within its share."""
         idle = [s for s in self._sessions.values() if not s.busy and s.id != keep]  # LRU order
         closed = [s for s in idle if s.closed]
         held: dict[str, list[int]] = {}  # owner -> [open sessions, bytes]
@@ -226,13 +227,13 @@ class KVStore:
         if closed:
             mine = [s for s in closed if s.owner == owner]
             return mine[0] if mine else max(closed, key=lambda s: held[s.owner][1])
-        mine = [s for s in idle if s.owner == owner]
-        if mine:
-            return mine[0]
         keys = len({o for o, h in held.items() if h[0]} | {owner})
-        over = [s for s in idle if held[s.owner][0] > self.max_sessions / keys
-                or held[s.owner][1] > self.capacity_bytes / keys]
-        return max(over, key=lambda s: held[s.owner][1]) if over else None
+        over = [s for s in idle if s.owner != owner and (held[s.owner][0] > self.max_sessions / keys
+                                                         or held[s.owner][1] > self.capacity_bytes / keys)]
+        if over:
+            return max(over, key=lambda s: held[s.owner][1])
+        mine = [s for s in idle if s.owner == owner]
+        return mine[0] if mine else None
 
     def _evict(self, s: Session) -> None:
         self._sessions.pop(s.id, None)

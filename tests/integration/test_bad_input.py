@@ -208,6 +208,8 @@ def test_paths_and_methods(client):
     assert client.get("/health/").status_code == 404  # no redirect to follow
     r = client.get("/v1/chat/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
+    r = client.options("/v1/spec/sessions/s-x")  # two routes (GET, DELETE) on one path: both named
+    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET"
 
 
 def test_huge_body_is_413(client, session):

@@ -41,5 +41,8 @@ def test_a_flooding_key_evicts_its_own_sessions_only(target, limit):
         gone = [a.get(f"/v1/spec/sessions/{sid}").json().get("error", {}).get("code") for sid in loud[:4]]
         assert "session_evicted" in gone  # the flood cost the loud key its own oldest sessions
         assert b.get(f"/v1/spec/sessions/{quiet}").status_code == 200
+        more = b.post("/v1/spec/sessions", json={"prompt_ids": make_prompt(40, 60), "max_new_tokens": 4})
+        assert more.status_code == 200, more.text  # room comes from the loud key, over its share
+        assert b.get(f"/v1/spec/sessions/{quiet}").status_code == 200
         assert _finish(b, quiet, len(PROMPT)) == plain_greedy(target, PROMPT, 16)
         assert srv.engine.store.evictions > 0

@@ -184,7 +184,7 @@ def test_a_short_round_runs_between_a_long_prompts_prefill_chunks(target):
     assert o.reply.tokens == plain_greedy(target, long_prompt, 1)
 
 
-@pytest.mark.parametrize("stage", ["forward", "commit"])
+@pytest.mark.parametrize("stage", ["forward", "commit", "after_commit"])
 def test_a_round_failing_halfway_leaves_the_session_exactly_as_it_was(target, stage, monkeypatch):
     """A sampled edge round with new_tokens failing in the pass or in its commit (after verification drew
     from the RNG and KV positions were appended): tokens, turn start, RNG state and KV length are as before,
@@ -203,16 +203,19 @@ def test_a_round_failing_halfway_leaves_the_session_exactly_as_it_was(target, st
     assert asyncio.run(engine.verify_round(s, request(s))).tokens == \
         asyncio.run(ref_engine.verify_round(ref, request(ref))).tokens  # both generators made and drawn once
     before = (list(s.tokens), s.num_prompt_tokens, s.num_cached, s.generator.get_state().clone())
-    name = "forward" if stage == "forward" else "keep_cache_positions"  # commit_round's KV step
-    real = getattr(models, name)
+    from agentspec.verifier_server import engine as engine_module
+
+    module, name = {"forward": (models, "forward"), "commit": (models, "keep_cache_positions"),
+                    "after_commit": (engine_module, "commit_round")}[stage]  # the last: it wrote, then a fault
+    real = getattr(module, name)
 
     def fail_once(*a, **k):
-        monkeypatch.setattr(models, name, real)
-        if stage == "forward":
-            real(*a, **k)  # the pass appends KV, then fails
+        monkeypatch.setattr(module, name, real)
+        if stage != "commit":
+            real(*a, **k)  # the pass appended KV / the commit wrote tokens, then the fault
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(models, name, fail_once)
+    monkeypatch.setattr(module, name, fail_once)
     with pytest.raises(RuntimeError, match="injected"):
         asyncio.run(engine.verify_round(s, request(s, [7, 8, 9])))
     assert (list(s.tokens), s.num_prompt_tokens, s.num_cached) == before[:3]
