@@ -62,6 +62,7 @@ class VerifierEngine:
         self._owns_executor = executor is None
         self.executor = executor or models.model_thread()
         self.scheduler = BatchScheduler(self, config.max_batch_size, config.batch_window_s)
+        self._chunk_s = 0.0  # the last prefill chunk's time (bounds how long a long prefill yields to rounds)
         self.policies: dict[str, DraftLengthPolicy] = {}
         self.copy_index = SuffixIndex()  # past outputs per API key: cross-conversation copy drafting
         self.verify_costs: dict[int, float] = {}
@@ -143,9 +144,15 @@ class VerifierEngine:
         session, reused = await self.run_on_model(self.store.create, owner, ids, max_new, stops)
         session.busy += 1
         try:
+            first = True
             while len(ids) - 1 > session.num_cached:
+                if not first:  # other sessions' rounds go first, for up to a few chunks' time
+                    await self.scheduler.yield_to_rounds(session.id, max(3 * self._chunk_s, 0.05))
+                t0, first = time.perf_counter(), False
                 await self.run_on_model(self._prefill_chunk, session, ids)
+                self._chunk_s = time.perf_counter() - t0
             await self.run_on_model(self.store.update_size, session)
+            self.scheduler.touch(session.id)
         except BaseException:
             self.store.drop(session.id)
             raise

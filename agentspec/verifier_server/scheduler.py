@@ -64,6 +64,20 @@ class BatchScheduler:
             del self._recent[sid]
         return set(self._recent)
 
+    def touch(self, session_id: str) -> None:
+        """Mark a session active now (its prefill just ended: its first round is on its way)."""
+        self._recent[session_id] = time.perf_counter()
+
+    async def yield_to_rounds(self, own: str, max_wait_s: float, quiet_s: float = 0.02) -> None:
+        """Wait, at most ``max_wait_s``, while other sessions have rounds queued or were active within
+        ``quiet_s`` (their next round is on its way): a long prefill's next chunk then goes after them, so a
+        short request waits about one chunk in all, not one per step of its own."""
+        deadline = time.perf_counter() + max_wait_s
+        while (now := time.perf_counter()) < deadline:
+            if not self._queue and not any(sid != own and now - t < quiet_s for sid, t in self._recent.items()):
+                return
+            await asyncio.sleep(0.002)
+
     def window(self) -> float:
         """How long a batch may wait for the other active sessions' rounds: a fraction of a model pass
         (their clients' turnaround is usually much shorter), at least the configured window."""
