@@ -15,7 +15,7 @@ from typing import Any, Literal
 from agentspec.protocol import Generate, OpenSession, ProtocolError
 from agentspec.text import IncrementalDecoder, StopStrings
 from agentspec.verifier_server.engine import VerifierEngine
-from agentspec.verifier_server.openai_api import sse
+from agentspec.verifier_server.openai_api import sse_stream
 from agentspec.verifier_server.requests import CompletionRequest
 
 
@@ -111,16 +111,5 @@ async def completion(engine: VerifierEngine, req: CompletionRequest, owner: str)
 
 
 def stream_completion(engine: VerifierEngine, req: CompletionRequest, owner: str) -> AsyncIterator[bytes]:
-    """SSE lines of the completion; usage in its own last chunk when ``stream_options.include_usage``."""
-    include_usage = bool((req.stream_options or {}).get("include_usage"))
-
-    async def gen() -> AsyncIterator[bytes]:
-        async for ch in completion_events(engine, req, owner):
-            usage = ch.pop("usage", None)
-            yield sse(ch)
-            if usage is not None and include_usage:
-                yield sse({"id": ch["id"], "object": "text_completion", "created": ch["created"],
-                           "model": ch["model"], "choices": [], "usage": usage})
-        yield b"data: [DONE]\n\n"
-
-    return gen()
+    """SSE lines of the completion."""
+    return sse_stream(completion_events(engine, req, owner), bool((req.stream_options or {}).get("include_usage")))

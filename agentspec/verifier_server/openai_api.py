@@ -152,18 +152,23 @@ def sse(obj: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-def stream_chunks(engine: VerifierEngine, req: ChatRequest, owner: str) -> AsyncIterator[bytes]:
-    include_usage = bool((req.stream_options or {}).get("include_usage"))
-
+def sse_stream(chunks: AsyncIterator[dict[str, Any]], include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE lines of OpenAI chunks: the usage the last chunk carries goes in a chunk of its own, when the
+    request's ``stream_options.include_usage`` asks (agentspec's own statistics never go out)."""
     async def gen() -> AsyncIterator[bytes]:
-        async for ch in chat_completion_events(engine, req, owner):
+        async for ch in chunks:
             usage = ch.pop("usage", None)
             ch.pop("agentspec", None)
             yield sse(ch)
             if usage is not None and include_usage:
-                yield sse({"id": ch["id"], "object": "chat.completion.chunk", "created": ch["created"],
-                           "model": ch["model"], "choices": [], "usage": usage})
+                yield sse({"id": ch["id"], "object": ch["object"], "created": ch["created"], "model": ch["model"],
+                           "choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
 
     return gen()
 
+
+def stream_chunks(engine: VerifierEngine, req: ChatRequest, owner: str) -> AsyncIterator[bytes]:
+    """SSE lines of the chat completion."""
+    return sse_stream(chat_completion_events(engine, req, owner),
+                      bool((req.stream_options or {}).get("include_usage")))

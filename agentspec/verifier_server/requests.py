@@ -29,7 +29,7 @@ class SamplingRequest(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = 1  # only 1: checked in _unsupported, with a message that says so
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     # these label or file a request away; they do not change the answer, so there is nothing to honour
