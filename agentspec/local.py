@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from agentspec import models
+from agentspec.constraint import Constraint, wants_constraint
 from agentspec.drafters.base import DraftContext, Drafter, propose_round, remember_output
 from agentspec.round_step import commit_round, forward_round, observe_round
 from agentspec.router import DraftLengthPolicy
@@ -52,6 +53,7 @@ class _Sequence:
     stop_token_ids: frozenset[int]
     num_cached: int = 0  # target KV positions, always a prefix of tokens
     stats: SpecStats = field(default_factory=SpecStats)
+    constraint: Constraint | None = None  # the grammar a constrained answer is decoded under
 
     @property
     def generated(self) -> list[int]:
@@ -120,8 +122,9 @@ class SpecEngine:
     ) -> Iterator[RoundEvent]:
         """Yield the tokens each round commits; the last event carries the finish reason.
 
-        ``tools``/``tool_choice``/``response_format`` let grammar drafting shape the drafts (the target
-        still decides every token); ``history`` holds earlier sequences of the conversation to copy from.
+        ``tools``/``tool_choice``/``response_format`` let grammar drafting shape the drafts; a required or
+        named ``tool_choice`` or a JSON ``response_format`` also *constrains* the answer: every token is the
+        target's under the grammar's mask (greedy: identical to masked plain greedy); ``history`` holds earlier sequences of the conversation to copy from.
         ``prefilled = (cache, n)``: a target cache already holding the first ``n < len(prompt_ids)`` prompt
         tokens (taken over by this generation), e.g. to share one prefill between runs."""
         params = params or SamplingParams()
@@ -139,10 +142,15 @@ class SpecEngine:
             seq.cache, seq.num_cached = prefilled
             if not 0 <= seq.num_cached < len(prompt_ids) or models.cache_length(seq.cache) != seq.num_cached:
                 raise ValueError(f"prefilled cache must hold {seq.num_cached} < {len(prompt_ids)} prompt tokens")
+        if wants_constraint(tools, tool_choice, response_format):
+            if self.target.tokenizer is None:
+                raise ValueError("a constrained answer (tool_choice / response_format) needs the target's tokenizer")
+            seq.constraint = Constraint(self.target.tokenizer, tools, tool_choice, response_format,
+                                        self.stop_token_ids)
         if self.drafter is not None:
             self.drafter.reset()
         ctx = DraftContext(seq.tokens, seq.num_prompt_tokens, params, generator, [list(h) for h in history],
-                           tools, tool_choice, response_format)
+                           tools, tool_choice, response_format, constraint=seq.constraint)
         try:
             yield from self._rounds(seq, ctx, params, generator, gamma_max)
         finally:

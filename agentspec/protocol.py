@@ -171,8 +171,13 @@ class Draft(_Strict):
 
 
 class OpenSession(_Strict):
-    """Open a session from ``prompt_ids`` or chat ``messages``; ``tools``, ``tool_choice`` and
-    ``response_format`` only let server mode draft the tokens their grammar forces (never constrain)."""
+    """Open a session from ``prompt_ids`` or chat ``messages``.
+
+    ``tools``, ``tool_choice`` and ``response_format`` let server mode draft the tokens their grammar forces;
+    a required or named ``tool_choice`` (with tools) or a JSON ``response_format`` also *constrains* every
+    answer of the session to that grammar, losslessly (``SessionInfo.constrained``). ``num_generated``: the
+    last that many ``prompt_ids`` are an answer being continued (a session reopened mid-answer), so the
+    grammar, the penalties and ``max_new_tokens`` count from where that answer began."""
 
     prompt_ids: list[TokenId] | None = None
     messages: list[dict[str, Any]] | None = None
@@ -183,12 +188,15 @@ class OpenSession(_Strict):
     max_new_tokens: int | None = Field(None, ge=1)
     stop_token_ids: list[TokenId] | None = None
     model: str | None = None  # one of the server's served names (checked by the server); echoed back
+    num_generated: int = Field(0, ge=0)
     protocol_version: int = PROTOCOL_VERSION
 
     @model_validator(mode="after")
     def _check(self) -> OpenSession:
         if (self.prompt_ids is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt_ids or messages")
+        if self.num_generated and (self.prompt_ids is None or self.num_generated >= len(self.prompt_ids)):
+            raise ValueError("num_generated counts trailing prompt_ids: it needs prompt_ids longer than it")
         if self.prompt_ids is not None and not self.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if self.messages is not None and not self.messages:
@@ -318,6 +326,7 @@ class SessionInfo(BaseModel):
     vocab_size: int
     max_draft_tokens: int
     stop_token_ids: list[int] = Field(default_factory=list)  # the tokens that end this session's answers
+    constrained: bool = False  # answers are decoded under the grammar of tool_choice / response_format
     protocol_version: int = PROTOCOL_VERSION
     model: str
     load: Load = Field(default_factory=Load)

@@ -4,7 +4,9 @@ The in-process loop (:class:`agentspec.local.SpecEngine`) and the verifier (its 
 sessions) both run: :func:`round_inputs` (uncached committed tokens + draft nodes, a tree mask where needed)
 → one target pass → :func:`commit_round` (:mod:`agentspec.verify` accepts a path and appends the target's
 own token; the KV cache keeps the committed prefix plus that path; the tokens are cut at a stop token or
-the cap). A sequence is anything with ``tokens``, ``num_cached``, ``cache`` and ``stop_token_ids``.
+the cap). A sequence is anything with ``tokens``, ``num_cached``, ``cache`` and ``stop_token_ids``; one
+with a ``constraint`` (:class:`agentspec.constraint.Constraint`) is verified under its grammar mask, and
+takes the tokens the grammar alone decides without a pass (jump-forward).
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ def commit_round(seq: Sequence, proposal: DraftProposal, logits: torch.Tensor, n
     parents = proposal.parent_list()
     raw = logits
     logits = process_logits(logits, params, seq.tokens[seq.num_prompt_tokens :], proposal.tokens, parents)
+    constraint = getattr(seq, "constraint", None)
+    if constraint is not None:
+        constraint.sync(seq.tokens, seq.num_prompt_tokens)
+        logits = constraint.apply(logits, proposal.tokens, parents)
     if params.greedy:
         result = verify_greedy(logits, proposal.tokens, parents, seq.stop_token_ids)
     else:
@@ -108,6 +114,14 @@ def commit_round(seq: Sequence, proposal: DraftProposal, logits: torch.Tensor, n
     if params.logprobs is not None:  # output token j was chosen at the row after the path's (j - 1)th node
         rows = [0, *(a + 1 for a in result.accepted_nodes)][: len(new)]
         logprobs = token_logprobs(raw, rows, new, params.logprobs)
+    elif constraint is not None and finish is None:
+        # where the grammar allows one token only, masked plain decoding takes it whatever the target says:
+        # commit it now (its KV comes with the next pass) rather than spend a verified position on it
+        constraint.sync(seq.tokens, seq.num_prompt_tokens)
+        forced = constraint.jump_forward(seq.tokens, seq.num_prompt_tokens, cap - len(seq.tokens))
+        new = [*new, *forced]
+        if forced and len(seq.tokens) >= cap:
+            finish = "length"
     return RoundOutcome(new, result.num_accepted, finish, path_depth(parents, result), result, logprobs)
 
 

@@ -345,8 +345,12 @@ def check_structure(tools: list[dict[str, Any]] | None, tool_choice: Any, respon
             schema(spec["schema"], "response_format.json_schema.schema")
 
 
+_PY_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": None}
+
+
 def normalise_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """OpenAI tools with JSON-schema parameters; BFCL's ``"dict"`` type becomes ``"object"``."""
+    """OpenAI tools with JSON-schema parameters; BFCL's Python type names become JSON Schema's (``"dict"`` →
+    ``"object"``, ``"float"`` → ``"number"``, ``"tuple"`` → ``"array"``, ``"any"`` → no type)."""
     if not tools:
         return None
     return [_normalise(t) for t in tools]
@@ -355,8 +359,12 @@ def normalise_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
 def _normalise(obj: Any) -> Any:
     if isinstance(obj, dict):
         out = {k: _normalise(v) for k, v in obj.items()}
-        if out.get("type") == "dict":
-            out["type"] = "object"
+        kind = out.get("type")
+        if isinstance(kind, str) and kind in _PY_TYPES:
+            if _PY_TYPES[kind] is None:
+                del out["type"]
+            else:
+                out["type"] = _PY_TYPES[kind]
         return out
     if isinstance(obj, list):
         return [_normalise(v) for v in obj]

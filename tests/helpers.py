@@ -79,3 +79,39 @@ def make_prompt(seed: int, length: int = 40) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(2, VOCAB, (length // 2,), generator=g).tolist()
     return base + base[: length - len(base)]
+
+
+def masked_plain_greedy(target: LoadedModel, prompt: list[int], max_new_tokens: int, tools=None, tool_choice=None,
+                        response_format=None, stop_token_ids=(EOS,)) -> list[int]:
+    """Reference output of constrained decoding: one full forward per token (no cache, no drafts, no
+    jump-forward), the argmax among the tokens the grammar allows (stop tokens where it accepts), llguidance
+    driven directly."""
+    import llguidance
+    import llguidance.torch as lt
+
+    from agentspec.drafters.grammar import ToolCallGrammar
+    from agentspec.toolcalls import normalise_tools
+
+    g = ToolCallGrammar(target.tokenizer, normalise_tools(tools), tool_choice, response_format)
+    grammar, error = g.compile(g.enforced(tool_choice))
+    assert error is None, error
+    m = llguidance.LLMatcher(g._ll, grammar, log_level=0)
+    bitmask = lt.allocate_token_bitmask(1, g.vocab_size)
+    tokens, out = list(prompt), []
+    while len(out) < max_new_tokens:
+        with torch.no_grad():
+            logits = target.model(torch.tensor([tokens], device=target.device)).logits[0, -1].float().cpu()
+        lt.fill_next_token_bitmask(m, bitmask)
+        allowed = torch.tensor([bool((int(bitmask[0, t // 32]) >> (t % 32)) & 1) for t in range(g.vocab_size)])
+        allowed[list(stop_token_ids)] = bool(m.is_accepting())
+        if not allowed.any():
+            allowed[list(stop_token_ids)] = True
+        masked = torch.full_like(logits, float("-inf"))
+        masked[: g.vocab_size][allowed] = logits[: g.vocab_size][allowed]
+        tok = int(masked.argmax())
+        out.append(tok)
+        tokens.append(tok)
+        if tok in stop_token_ids:
+            break
+        assert m.consume_token(tok), m.get_error()
+    return out

@@ -7,6 +7,7 @@ else a fresh one (γ from the router). Nothing here does I/O: the client's steps
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -14,7 +15,10 @@ from agentspec.client.events import SegmentStats
 from agentspec.client.run import Run
 from agentspec.drafters.base import DraftContext, propose_round
 from agentspec.router import ModePolicy, ema
+from agentspec.toolcalls import normalise_tools
 from agentspec.types import DraftProposal, SamplingParams
+
+log = logging.getLogger(__name__)
 
 # pipelined edge drafting pays off once a round's drafting costs more than handing its request to another
 # thread and back: with a 0.1-0.3 ms n-gram drafter it hid nothing, and in the router benchmark's --quick
@@ -75,12 +79,38 @@ class EdgeDrafting:
         t0 = time.perf_counter()
         ctx = DraftContext(run.tokens if tokens is None else tokens, len(run.prompt), run.sampling,
                            self._generator(run.sampling), tools=run.tools, tool_choice=run.tool_choice,
-                           response_format=run.response_format)
-        prop = propose_round(run.drafter, ctx, gamma)
+                           response_format=run.response_format, constraint=self._constraint(run))
+        try:
+            prop = propose_round(run.drafter, ctx, gamma)
+        except ValueError as e:  # ConstraintError (a ValueError): agentspec.constraint loads torch, lazily
+            if ctx.constraint is None:
+                raise
+            if tokens is not None:  # a hypothesis the grammar forbids: nothing worth drafting after it
+                return DraftProposal(), time.perf_counter() - t0
+            log.warning("edge drafts no longer follow the answer's grammar: %s", e)  # the verifier's differs;
+            run.constraint = False  # it still masks every round
+            ctx.constraint = None
+            prop = propose_round(run.drafter, ctx, gamma)
         seconds = time.perf_counter() - t0
         if len(prop):
             self.round_draft_s = ema(self.round_draft_s, seconds, 0.2)
         return prop, seconds
+
+    def _constraint(self, run: Run) -> Any:
+        """The client's copy of the grammar a constrained answer is verified under (built once per run):
+        drafts it forbids are pruned, sampled drafts come from the masked law. None: no tokenizer here,
+        or the verifier does not constrain this answer."""
+        if run.constraint is None:
+            run.constraint = False
+            if run.constrained and self.tokenizer is not None:
+                from agentspec.constraint import Constraint, ConstraintError
+
+                try:
+                    run.constraint = Constraint(self.tokenizer, normalise_tools(run.tools), run.tool_choice,
+                                                run.response_format, run.stop_token_ids)
+                except ConstraintError as e:
+                    log.warning("edge drafts ignore the answer's grammar: %s", e)
+        return run.constraint or None
 
     def _generator(self, sampling: SamplingParams) -> Any:
         if not sampling.greedy and self._torch_generator is None:

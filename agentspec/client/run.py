@@ -45,6 +45,8 @@ class Run:
         self.stop_token_ids: frozenset[int] = frozenset()
         # pipelined edge drafting: (the tokens it assumed committed, the draft after them)
         self.ahead: tuple[tuple[int, ...], DraftProposal] | None = None
+        self.constrained = False  # the verifier decodes this answer under its grammar (SessionInfo)
+        self.constraint: Any = None  # the client's copy of that grammar (edge drafts respect it); False: none
 
     @property
     def generated(self) -> int:
@@ -59,10 +61,12 @@ class Run:
     def open_request(self) -> dict[str, Any]:
         """The session to open: the chat messages at first, else the committed prefix (and tools again)."""
         first = self.sid is None and not self.prompt
-        source: dict[str, Any] = {"messages": self.messages} if first else {"prompt_ids": self.tokens}
-        return OpenSession(**source, tools=self.tools, max_new_tokens=self.max_tokens - self.generated,
-                           tool_choice=self.tool_choice, response_format=self.response_format,
-                           model=self.model).to_wire()
+        if first:
+            source: dict[str, Any] = {"messages": self.messages, "max_new_tokens": self.max_tokens}
+        else:  # the answer so far goes along as such: its grammar and limit count from where it began
+            source = {"prompt_ids": self.tokens, "num_generated": self.generated, "max_new_tokens": self.max_tokens}
+        return OpenSession(**source, tools=self.tools, tool_choice=self.tool_choice,
+                           response_format=self.response_format, model=self.model).to_wire()
 
     def opened(self, info: SessionInfo) -> None:
         if not self.prompt:
@@ -71,6 +75,7 @@ class Run:
         self.sid = info.session_id
         self.served_model = info.model
         self.stop_token_ids = frozenset(info.stop_token_ids)
+        self.constrained = info.constrained
 
     def round_request(self, proposal: DraftProposal) -> dict[str, Any]:
         """An edge round verifying ``proposal`` after the committed tokens."""

@@ -21,6 +21,8 @@ class DraftContext:
     ``history`` holds earlier token sequences of the same conversation/agent (copy sources).
     ``tools``/``tool_choice``/``response_format`` are the request's, for grammar drafting;
     ``index_key`` names the cross-conversation copy index to use (the API key, server-side).
+    ``constraint`` (an :class:`agentspec.constraint.Constraint`) is set when the answer is grammar-constrained:
+    a sampling drafter masks its law with it, and :func:`propose_round` prunes what it forbids.
     """
 
     tokens: list[int]
@@ -32,6 +34,7 @@ class DraftContext:
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     index_key: str = ""
+    constraint: Any = None
 
 
 @runtime_checkable
@@ -110,7 +113,14 @@ def propose_round(drafter: Drafter | None, ctx: DraftContext, k: int) -> DraftPr
     ``k < 0`` means no draft at all (speculation off for this round)."""
     if drafter is None or k < 0 or (k == 0 and not getattr(drafter, "drafts_forced", False)):
         return DraftProposal()
-    return drafter.propose(ctx, max(k, 0))
+    if ctx.constraint is None:
+        return drafter.propose(ctx, max(k, 0))
+    ctx.constraint.sync(ctx.tokens, ctx.num_prompt_tokens)
+    proposal = drafter.propose(ctx, max(k, 0))
+    if len(proposal):  # a draft the grammar forbids is never verified
+        ctx.constraint.sync(ctx.tokens, ctx.num_prompt_tokens)
+        proposal = ctx.constraint.prune(proposal)
+    return proposal
 
 
 def remember_output(drafter: Drafter | None, ctx: DraftContext) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentspec.drafters.base import DraftContext, common_prefix, register_drafter
-from agentspec.drafters.json_grammar import LarkJson, call_rule, grammar_text, lit
+from agentspec.drafters.json_grammar import LarkJson, call_rule, grammar_text, lit, schema_rule
 from agentspec.toolcalls import normalise_tools
 from agentspec.types import DraftProposal
 
@@ -102,6 +102,8 @@ class ToolCallGrammar:
         self.openings: list[_Opening] = []
         self.at_start: str | None = None  # grammar engaged before the answer's first token
         self.bare: str | None = None  # grammar engaged when the answer's first token starts a JSON value
+        self.calls: str | None = None  # one or more tagged calls: what tool_choice required/named enforces
+        self.value: str | None = None  # the JSON answer response_format enforces
         if tools:
             one = " | ".join(call_rule(g, t["name"], t.get("parameters"), 0) for g in self._layouts for t in tools)
             lists = []
@@ -116,8 +118,10 @@ class ToolCallGrammar:
             self.openings = [_Opening(_OPEN_TAG, f'"\\n" {in_tag}'), _Opening(_OPEN_TAG + "\n", in_tag),
                              _Opening(_FENCE + "json", f'"\\n" {in_fence}'), _Opening(_FENCE + "json\n", in_fence)]
             self.bare = many
+            tagged = f'{_special_or_literal(tokenizer, _OPEN_TAG)} "\\n" {in_tag}'
+            self.calls = f'{tagged} ("\\n" {tagged})*'
             if tool_choice == "required" or isinstance(tool_choice, dict):
-                self.at_start = f'{_special_or_literal(tokenizer, _OPEN_TAG)} "\\n" {in_tag}'
+                self.at_start = tagged
         rf = response_format if isinstance(response_format, dict) else {}
         schema = None
         if rf.get("type") == "json_schema":
@@ -126,23 +130,44 @@ class ToolCallGrammar:
         elif rf.get("type") == "json_object":
             schema = {"type": "object"}
         if schema is not None:
-            self.at_start = self.bare = " | ".join(g.value(schema, 0) for g in self._layouts)
+            self.value = self.at_start = self.bare = " | ".join(schema_rule(g, schema, 0) for g in self._layouts)
         self._compiled: dict[str, Any] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._ll.vocab_size)
 
     @property
     def empty(self) -> bool:
         return not self.openings and self.at_start is None and self.bare is None
 
-    def matcher(self, body: str) -> Any | None:
-        """A fresh matcher for a start rule body, or None if the grammar does not compile."""
+    def enforced(self, tool_choice: Any) -> str | None:
+        """The start rule body a constrained answer must match (None: nothing to enforce).
+
+        ``tool_choice`` required or named: one or more tagged calls (of the named tool); else a JSON
+        ``response_format``: its value — or, with tools the model may call ("auto"), a value or calls."""
+        if self.calls is not None and (tool_choice == "required" or isinstance(tool_choice, dict)):
+            return self.calls
+        if self.value is not None:
+            return self.value if self.calls is None else f"{self.value} | {self.calls}"
+        return None
+
+    def compile(self, body: str) -> tuple[Any, str | None]:
+        """The compiled grammar of a start rule body and llguidance's error (None when it compiles)."""
         if body not in self._compiled:
             grammar = self._llguidance.LLMatcher.grammar_from_lark(grammar_text(body, *self._layouts))
-            ok = not self._llguidance.LLMatcher.validate_grammar(grammar, self._ll)
-            self._compiled[body] = grammar if ok else None
-        grammar = self._compiled[body]
-        if grammar is None:
+            self._compiled[body] = (grammar, self._llguidance.LLMatcher.validate_grammar(grammar, self._ll) or None)
+        return self._compiled[body]
+
+    def new_matcher(self, grammar: Any) -> Any:
+        return self._llguidance.LLMatcher(self._ll, grammar, log_level=0)
+
+    def matcher(self, body: str) -> Any | None:
+        """A fresh matcher for a start rule body, or None if the grammar does not compile."""
+        grammar, error = self.compile(body)
+        if error is not None:
             return None
-        m = self._llguidance.LLMatcher(self._ll, grammar, log_level=0)
+        m = self.new_matcher(grammar)
         return None if m.is_error() else m
 
 

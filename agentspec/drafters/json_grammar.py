@@ -2,7 +2,9 @@
 
 llguidance's ``%json`` fixes separators but not indentation; targets write tool calls compact (Qwen's
 ``tojson``) or with two-space indents (``json.dumps(indent=2)``). :class:`LarkJson` writes rules in one
-layout for the common schema subset; anything else becomes ``%json``. Optional properties may be left out.
+layout for the common schema subset; a schema using keywords the rules do not express (string patterns,
+numeric bounds, ``anyOf``, ``$ref`` ...) becomes llguidance's own ``%json`` for that schema, with the compact
+separators, so every value the grammar accepts is valid for the schema. Optional properties may be left out.
 """
 
 from __future__ import annotations
@@ -13,6 +15,15 @@ from typing import Any
 STRING = r'/"(\\(["\\\/bfnrt]|u[0-9a-fA-F]{4})|[^"\\\x00-\x1f])*"/'
 INTEGER = r"/-?(0|[1-9][0-9]*)/"
 NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
+# keywords that constrain a value beyond what the layout rules write: such a schema is left to ``%json``
+_UNEXPRESSED = frozenset({
+    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "multipleOf", "minItems", "maxItems", "uniqueItems", "prefixItems", "contains", "minContains", "maxContains",
+    "additionalItems", "unevaluatedItems", "minProperties", "maxProperties", "patternProperties", "propertyNames",
+    "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties", "anyOf", "oneOf", "allOf",
+    "not", "if", "then", "else", "$ref", "$dynamicRef",
+})
+_COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 _SCALARS = {"string": "JSON_STRING", "integer": "JSON_INTEGER", "number": "JSON_NUMBER",
             "boolean": '"true" | "false"', "null": '"null"'}
 
@@ -49,6 +60,8 @@ class LarkJson:
         """A rule matching a JSON value valid for ``schema``, laid out as if it started at ``depth``."""
         if not isinstance(schema, dict):
             return self._any()
+        if schema.keys() & _UNEXPRESSED or isinstance(schema.get("type"), list):
+            return self._native(schema)
         if "enum" in schema and isinstance(schema["enum"], list) and schema["enum"]:
             return self._rule(" | ".join(lit(json.dumps(v, ensure_ascii=False)) for v in schema["enum"]), "enum")
         if "const" in schema:
@@ -56,14 +69,21 @@ class LarkJson:
         kind = schema.get("type")
         if kind in _SCALARS:
             return self._rule(_SCALARS[kind], kind)
-        if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
+        props = schema.get("properties")
+        if kind == "object" and isinstance(props, dict) and props and set(schema.get("required") or ()) <= props.keys():
             return self._object(schema, depth)
         if kind == "array" and isinstance(schema.get("items"), dict):
             return self._array(schema["items"], depth)
-        return self._any()
+        if kind is None and not schema.keys() & {"properties", "items", "required", "additionalProperties"}:
+            return self._any()
+        return self._native(schema)
 
     def _any(self) -> str:
-        return self._rule('%json{"type": ["object", "array", "string", "number", "boolean", "null"]}', "any")
+        return self._native({"type": ["object", "array", "string", "number", "boolean", "null"]})
+
+    def _native(self, schema: dict[str, Any]) -> str:
+        """llguidance's own JSON Schema support, compact: exact for what the layout rules cannot write."""
+        return self._rule("%json" + json.dumps({**schema, "x-guidance": _COMPACT}, ensure_ascii=False), "json")
 
     def _object(self, schema: dict[str, Any], depth: int) -> str:
         props = list(schema["properties"].items())
@@ -106,9 +126,21 @@ def grammar_text(start: str, *layouts: LarkJson) -> str:
     return "\n".join(["%llguidance {}", f"start: {start}", *(g.lark() for g in layouts), TERMINALS, ""])
 
 
+def has_ref(schema: Any) -> bool:
+    """Whether a schema refers to definitions anywhere (``$ref``): only ``%json`` of the whole can resolve it."""
+    if isinstance(schema, dict):
+        return "$ref" in schema or any(has_ref(v) for v in schema.values())
+    return isinstance(schema, list) and any(has_ref(v) for v in schema)
+
+
+def schema_rule(g: LarkJson, schema: Any, depth: int) -> str:
+    """The rule of a whole (root) schema: its ``$ref`` targets live at its root, so it stays one ``%json``."""
+    return g._native(schema) if isinstance(schema, dict) and has_ref(schema) else g.value(schema, depth)
+
+
 def call_rule(g: LarkJson, name: str, parameters: dict[str, Any] | None, depth: int) -> str:
     """A rule for ``{"name": <name>, "arguments": {...}}`` in ``g``'s layout at ``depth``."""
-    args = g.value(parameters or {"type": "object"}, depth + 1)
+    args = schema_rule(g, parameters or {"type": "object"}, depth + 1)
     head = (lit("{" + g.newline(depth + 1) + f'"name": {json.dumps(name, ensure_ascii=False)}'
                 + g.sep(depth) + '"arguments": '))
     return g._rule(f"{head} {args} {lit(g.newline(depth) + '}')}", "call")

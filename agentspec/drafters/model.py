@@ -55,16 +55,23 @@ class ModelDrafter:
         parents: list[int] = []
         probs: list[SparseDist | None] = []
         parent = -1
+        chain: list[int] = []
         for _ in range(k):
             logits = models.forward(self.model, feed, self._cache, num_logits=1)[-1]  # [head rows]
             self._cached.extend(feed)
-            picked, dist = self._pick(logits, ctx)
+            masked = None
+            if ctx.constraint is not None:  # a constrained answer: draft from the grammar-masked law
+                masked = _masked(self._full_logits(logits), ctx.constraint.allowed_after([*ctx.tokens, *chain]))
+                if masked is None:
+                    break
+            picked, dist = self._pick(logits, ctx, masked)
             node = len(tokens)
             for tok in picked:
                 tokens.append(tok)
                 parents.append(parent)
                 probs.append(dist)
             feed = [picked[0]]
+            chain.append(picked[0])
             parent = node
         tree = self.tree_width > 1
         return DraftProposal(
@@ -83,12 +90,16 @@ class ModelDrafter:
         full[self._token_map.to(logits.device)] = logits  # a no-op unless the model moved devices
         return full
 
-    def _pick(self, logits: torch.Tensor, ctx: DraftContext) -> tuple[list[int], SparseDist | None]:
-        """The chain token first, then sibling leaves; and the proposal they were drawn from."""
+    def _pick(self, logits: torch.Tensor, ctx: DraftContext, masked: torch.Tensor | None = None
+              ) -> tuple[list[int], SparseDist | None]:
+        """The chain token first, then sibling leaves; and the proposal they were drawn from (``masked``:
+        the full-vocabulary logits under the grammar's mask, drafted from instead)."""
+        if ctx.sampling.greedy and masked is not None:
+            return torch.topk(masked, self.tree_width).indices.tolist(), None
         if ctx.sampling.greedy:
             top = torch.topk(logits, self.tree_width).indices
             return (top if self._token_map is None else self._token_map[top.to(self._token_map.device)]).tolist(), None
-        logits = self._full_logits(logits)  # penalties and processors index by token id
+        logits = self._full_logits(logits) if masked is None else masked  # processors index by token id
         probs = sampling_probs(logits, ctx.sampling)
         top = torch.topk(probs, min(self.proposal_top_k, probs.shape[-1]))
         kept = top.values / top.values.sum()  # the truncated proposal actually sampled from
@@ -97,3 +108,13 @@ class ModelDrafter:
         dist = SparseDist(tuple(ids.tolist()), tuple(kept.cpu().tolist()))
         return [int(ids[d]) for d in draws], dist
 
+
+def _masked(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor | None:
+    """Full-vocabulary ``logits`` with what the grammar forbids at -inf (None: the path left the grammar)."""
+    if allowed is None:
+        return None
+    out = logits.float().clone()
+    width = min(out.shape[-1], allowed.shape[-1])
+    out[:width].masked_fill_(~allowed[:width].to(out.device), float("-inf"))
+    out[width:] = float("-inf")
+    return out if bool(torch.isfinite(out).any()) else None

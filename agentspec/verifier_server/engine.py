@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from agentspec import models
+from agentspec.constraint import Constraint, ConstraintError, wants_constraint
 from agentspec.drafters import DraftContext, Drafter, make_drafter
 from agentspec.drafters.base import propose_round
 from agentspec.drafters.copy import LEAD, SuffixIndex
@@ -38,10 +39,10 @@ from agentspec.protocol import (
 from agentspec.round_step import commit_round, observe_round, round_inputs
 from agentspec.router import DraftLengthPolicy
 from agentspec.text import IncrementalDecoder
-from agentspec.toolcalls import render_chat
+from agentspec.toolcalls import normalise_tools, render_chat
 from agentspec.types import DraftProposal
 from agentspec.verifier_server.config import ServerConfig
-from agentspec.verifier_server.kv_store import KVStore, Session, rss_bytes
+from agentspec.verifier_server.kv_store import KVStore, Session, rss_bytes, snapshot
 from agentspec.verifier_server.scheduler import BatchScheduler, ItemOutcome, RoundItem, session_guard
 
 
@@ -123,16 +124,35 @@ class VerifierEngine:
         if room < 1:
             raise ProtocolError(f"the prompt has {len(ids)} tokens; this server's --max-model-len is "
                                 f"{self.config.max_model_len}", param="prompt_ids")
-        max_new = min(req.max_new_tokens or room, room)
+        done = req.num_generated  # a reopened answer: its limit and grammar count from where it began
+        max_new = min(req.max_new_tokens or room + done, room + done)
         stops = frozenset(req.stop_token_ids if req.stop_token_ids is not None else self.target.eos_token_ids)
+        constraint = await asyncio.to_thread(self._constraint, req, stops, ids[len(ids) - done :])
         t0 = time.perf_counter()
         session, reused = await self._create_and_prefill(owner, ids, max_new, stops)
+        session.num_prompt_tokens = len(ids) - done
         session.structure = (req.tools, req.tool_choice, req.response_format)
+        session.constraint = constraint
         session.decoder = self._decoder()
         if self.metrics:
             self.metrics.prompt_tokens(len(ids) - reused, reused)
         return self.info(session, reused_tokens=reused, prefill_ms=(time.perf_counter() - t0) * 1e3,
                          model=req.model or self.config.served_model_name)
+
+    def _constraint(self, req: OpenSession, stops: frozenset[int], answer: list[int]) -> Constraint | None:
+        """The grammar a session's answers are decoded under (None: unconstrained); a 400 if it cannot be."""
+        if not wants_constraint(req.tools, req.tool_choice, req.response_format):
+            return None
+        param = "response_format" if req.response_format and req.response_format.get("type") != "text" else "tools"
+        if self.target.tokenizer is None:
+            raise ProtocolError("this model has no tokenizer to enforce a grammar with", param=param)
+        try:
+            constraint = Constraint(self.target.tokenizer, normalise_tools(req.tools), req.tool_choice,
+                                    req.response_format, stops)
+            constraint.sync(answer, 0)  # a reopened answer must already follow the grammar
+        except ConstraintError as e:
+            raise ProtocolError(str(e), param=param) from e
+        return constraint
 
     async def _create_and_prefill(self, owner: str, ids: list[int], max_new: int, stops: frozenset[int]
                                   ) -> tuple[Session, int]:
@@ -175,6 +195,7 @@ class VerifierEngine:
                               "committed_len": len(session.tokens), "vocab_size": self.vocab_size,
                               "max_draft_tokens": self.config.max_draft_tokens,
                               "stop_token_ids": sorted(session.stop_token_ids),
+                              "constrained": session.constraint is not None,
                               "model": self.config.served_model_name, "load": self.load(), **extra})
 
     # -- rounds ------------------------------------------------------------------------------------
@@ -202,7 +223,7 @@ class VerifierEngine:
         """An edge-mode round: the client's draft, verified (batched with other sessions' rounds)."""
         req.check_against(self.vocab_size, self.config.max_draft_tokens)
         async with session_guard(session):
-            restore = _snapshot(session)
+            restore = snapshot(session)
             try:
                 self._prepare(session, req.base_len, req.new_tokens)
                 return await self.scheduler.submit(RoundItem(session, req.draft.to_proposal(), req.sampling))
@@ -217,7 +238,7 @@ class VerifierEngine:
             raise ProtocolError('drafter "model" needs a server started with --draft-model; use "default"',
                                 param="drafter")  # refused before the session changes at all
         async with session_guard(session):
-            restore, rounds = _snapshot(session), self._rounds(session, req)
+            restore, rounds = snapshot(session), self._rounds(session, req)
             try:
                 self._prepare(session, req.base_len, req.new_tokens)
                 first = await rounds.__anext__()
@@ -308,7 +329,8 @@ class VerifierEngine:
             gamma = item.policy.choose(gamma)
         tools, tool_choice, response_format = s.structure
         ctx = DraftContext(s.tokens, s.num_prompt_tokens, item.sampling.to_params(), self._generator(s, item.sampling),
-                           tools=tools, tool_choice=tool_choice, response_format=response_format, index_key=s.owner)
+                           tools=tools, tool_choice=tool_choice, response_format=response_format, index_key=s.owner,
+                           constraint=s.constraint)
         return propose_round(item.drafter, ctx, gamma)
 
     def _finish_round(self, item: RoundItem, logits: torch.Tensor, num_pending: int, verify_s: float,
@@ -365,27 +387,3 @@ class VerifierEngine:
     def shutdown(self) -> None:
         if self._owns_executor:
             self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _snapshot(session: Session) -> Callable[[], None]:
-    """A function putting ``session`` back as it is now: committed tokens, turn start, finish state, text
-    decoder, RNG (a sampled round may draw before it fails). The KV cache needs no copy: a failed round
-    crops it back to ``num_cached`` itself (:meth:`VerifierEngine.execute`), and drafters follow the
-    committed tokens."""
-    n, prompt, finished, reason = len(session.tokens), session.num_prompt_tokens, session.finished, \
-        session.finish_reason
-    cached = session.num_cached
-    decoder, generator, seed = session.decoder, session.generator, session.seed
-    state = generator.get_state() if generator is not None else None
-
-    def restore() -> None:
-        del session.tokens[n:]
-        session.num_prompt_tokens, session.finished, session.finish_reason = prompt, finished, reason
-        session.decoder, session.generator, session.seed = decoder, generator, seed
-        if generator is not None:
-            generator.set_state(state)
-        if session.num_cached != cached or models.cache_length(session.cache) > cached:
-            models.crop_cache(session.cache, cached)  # a commit that wrote before the failure: undo its KV too
-            session.num_cached = cached
-
-    return restore

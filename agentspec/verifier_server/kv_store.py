@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,7 @@ class Session:
     drafter: Any = None  # server mode: this session's drafter (with its own KV cache)
     drafter_kind: str = ""  # which kind ``drafter`` is (the Generate request's ``drafter``)
     structure: tuple[Any, Any, Any] = (None, None, None)  # (tools, tool_choice, response_format): grammar drafting
+    constraint: Any = None  # agentspec.constraint.Constraint: the grammar every answer is decoded under
 
     @property
     def num_generated(self) -> int:
@@ -269,3 +271,27 @@ def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
     while n < min(limit, len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def snapshot(session: Session) -> Callable[[], None]:
+    """A function putting ``session`` back as it is now: committed tokens, turn start, finish state, text
+    decoder, RNG (a sampled round may draw before it fails). The KV cache needs no copy: a failed round
+    crops it back to ``num_cached`` itself (:meth:`VerifierEngine.execute`), and drafters follow the
+    committed tokens."""
+    n, prompt, finished, reason = len(session.tokens), session.num_prompt_tokens, session.finished, \
+        session.finish_reason
+    cached = session.num_cached
+    decoder, generator, seed = session.decoder, session.generator, session.seed
+    state = generator.get_state() if generator is not None else None
+
+    def restore() -> None:
+        del session.tokens[n:]
+        session.num_prompt_tokens, session.finished, session.finish_reason = prompt, finished, reason
+        session.decoder, session.generator, session.seed = decoder, generator, seed
+        if generator is not None:
+            generator.set_state(state)
+        if session.num_cached != cached or models.cache_length(session.cache) > cached:
+            models.crop_cache(session.cache, cached)  # a commit that wrote before the failure: undo its KV too
+            session.num_cached = cached
+
+    return restore

@@ -36,7 +36,8 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
     single = req.parallel_tool_calls is False and bool(tools)
     structured = req.response_format if (req.response_format or {}).get("type") in ("json_object", "json_schema") \
         else None
-    # tool_choice and response_format are asked for by instruction (and shape the drafts), not enforced
+    # tool_choice and response_format are enforced by the session's grammar (required/named calls, JSON) and
+    # also said in an instruction, so the model knows what the content should be, not only its form
     hints = [h for h in (tool_choice_instruction(req.tool_choice, single), response_format_instruction(structured))
              if h]
     messages = add_instruction(req.messages, " ".join(hints)) if hints else req.messages
@@ -104,8 +105,9 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
              "prompt_tokens_details": {"cached_tokens": info.reused_tokens}}
     last = chunk({}, finish)
     last["usage"] = usage
-    last["agentspec"] = {"mode": mode, "structure": "instructed" if hints else None, "rounds": rounds, "drafted": drafted, "accepted": accepted,
-                         "mean_accepted_length": n_completion / rounds if rounds else 0.0}
+    structure = "enforced" if info.constrained else "instructed" if hints else None
+    last["agentspec"] = {"mode": mode, "structure": structure, "rounds": rounds, "drafted": drafted,
+                         "accepted": accepted, "mean_accepted_length": n_completion / rounds if rounds else 0.0}
     yield last
 
 

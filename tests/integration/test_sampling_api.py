@@ -147,11 +147,19 @@ def test_parallel_tool_calls_false_stops_after_the_first_call():
 @pytest.mark.parametrize("rf", [{"type": "json_object"},
                                 {"type": "json_schema", "json_schema": {"name": "city", "schema": {
                                     "type": "object", "properties": {"city": {"type": "string"}}}}}])
-def test_response_format_is_shown_to_the_model_and_said_so(servers, rf):
-    plain, _ = servers
-    bare, asked = chat(plain.url), chat(plain.url, response_format=rf)
+def test_response_format_is_shown_to_the_model_and_enforced(servers, rf):
+    """The instruction is in the prompt and the grammar decides the form: even a random tiny target answers
+    with JSON valid for the schema, in both servers (plain and speculative) alike."""
+    import jsonschema
+
+    plain, spec = servers
+    bare, asked = chat(plain.url), chat(plain.url, response_format=rf, max_tokens=200)
     assert asked["usage"]["prompt_tokens"] > bare["usage"]["prompt_tokens"]  # the instruction is in the prompt
-    assert asked["agentspec"]["structure"] == "instructed" and bare["agentspec"]["structure"] is None
+    assert asked["agentspec"]["structure"] == "enforced" and bare["agentspec"]["structure"] is None
+    text = content(asked)
+    assert text.startswith("{") and content(chat(spec.url, response_format=rf, max_tokens=200)) == text
+    if asked["choices"][0]["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(text), rf.get("json_schema", {}).get("schema", {"type": "object"}))
 
 
 PROCESSING = {"presence_penalty": 1.2, "frequency_penalty": 0.8, "logit_bias": {"70": -100.0}}

@@ -103,8 +103,9 @@ def test_accepting_everything_would_be_detected():
 @pytest.mark.parametrize("kind", ["model_tree", "reduced_vocab_tree", "grammar_copy_model"])
 def test_engine_sampling_matches_target_model(target, wrong_drafter_model, kind):
     """End to end through SpecEngine: the first two tokens match the target's law — with a model drafter
-    (a sampled tree), and with the tree drafter (a grammar-forced point-mass ``{`` for a JSON answer,
-    then the model's sampled tokens)."""
+    (a sampled tree), and with the tree drafter on a constrained JSON answer (a grammar-forced point-mass
+    ``{``, then the model's sampled tokens, both under the grammar's mask: the law is the masked target's)."""
+    from agentspec.constraint import Constraint
     from agentspec.drafters import ModelDrafter
     from agentspec.drafters.copy import CopyDrafter
     from agentspec.drafters.grammar import GrammarDrafter
@@ -113,14 +114,23 @@ def test_engine_sampling_matches_target_model(target, wrong_drafter_model, kind)
 
     params = SamplingParams(temperature=1.5, top_k=3, max_new_tokens=2)
     prompt = [5, 9, 13, 5, 9]
+    json_answer = {"type": "json_object"} if kind == "grammar_copy_model" else None
+    # a JSON answer is constrained: its law is the target's under the grammar's mask
+    constraint = Constraint(target.tokenizer, None, None, json_answer, ()) if json_answer else None
+
+    def law(tokens: list[int]) -> torch.Tensor:
+        logits = target.model(torch.tensor([tokens], device=target.device)).logits[0, -1:].cpu()
+        if constraint is not None:
+            constraint.sync(tokens, len(prompt))
+            logits = constraint.apply(logits, (), [])
+        return sampling_probs(logits[0], params)
+
     # exact law of (x1, x2) under the processed target distribution
     with torch.inference_mode():
-        logits = target.model(torch.tensor([prompt], device=target.device)).logits[0, -1]
-        p1 = sampling_probs(logits, params).cpu()
+        p1 = law(prompt)
         exact = {}
         for x1 in torch.nonzero(p1).flatten().tolist():
-            l2 = target.model(torch.tensor([prompt + [x1]], device=target.device)).logits[0, -1]
-            p2 = sampling_probs(l2, params).cpu()
+            p2 = law(prompt + [x1])
             for x2 in torch.nonzero(p2).flatten().tolist():
                 exact[(x1, x2)] = float(p1[x1] * p2[x2])
     if kind == "reduced_vocab_tree":  # a drafter that can only propose half the tokens: q is 0 elsewhere
@@ -135,7 +145,6 @@ def test_engine_sampling_matches_target_model(target, wrong_drafter_model, kind)
         model = ModelDrafter(wrong_drafter_model, tree_width=2)
     drafter = model if kind != "grammar_copy_model" else TreeDrafter(GrammarDrafter(target.tokenizer), CopyDrafter(), model)
     engine = SpecEngine(target, drafter, num_draft_tokens=3, stop_token_ids=())
-    json_answer = {"type": "json_object"} if kind == "grammar_copy_model" else None
     samples = [tuple(engine.generate(prompt, SamplingParams(temperature=1.5, top_k=3, max_new_tokens=2, seed=s),
                                      response_format=json_answer).tokens) for s in range(1500)]
     if kind == "grammar_copy_model":
