@@ -40,12 +40,14 @@ def wants_constraint(tools: Any, tool_choice: Any, response_format: Any) -> bool
 
 
 class Constraint:
-    """One answer's grammar over token ids; :meth:`sync` follows ``tokens[start:]`` (rolling back on change)."""
+    """One answer's grammar over token ids; :meth:`sync` follows ``tokens[start:]`` (rolling back on change).
+
+    ``parallel_tool_calls=False`` (and a named ``tool_choice``) allow one call only."""
 
     def __init__(self, tokenizer: Any, tools: Any, tool_choice: Any, response_format: Any,
-                 stop_token_ids: Iterable[int]) -> None:
+                 stop_token_ids: Iterable[int], parallel_tool_calls: bool = True) -> None:
         grammar = ToolCallGrammar(tokenizer, tools, tool_choice, response_format)
-        body = grammar.enforced(tool_choice)
+        body = grammar.enforced(tool_choice, parallel_tool_calls)
         if body is None:
             raise ConstraintError("nothing to enforce: tool_choice needs tools, response_format a JSON type")
         compiled, error = grammar.compile(body)

@@ -189,6 +189,7 @@ class OpenSession(_Strict):
     stop_token_ids: list[TokenId] | None = None
     model: str | None = None  # one of the server's served names (checked by the server); echoed back
     num_generated: int = Field(0, ge=0)
+    parallel_tool_calls: bool = True  # False: a constrained answer holds one tool call
     protocol_version: int = PROTOCOL_VERSION
 
     @model_validator(mode="after")

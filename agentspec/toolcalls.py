@@ -110,12 +110,15 @@ class ToolCallParser:
             if start is None:
                 keep = _partial_marker_suffix(self._buf)
                 emit = self._buf[: len(self._buf) - keep]
+                if self.calls and not emit.strip():
+                    return events  # whitespace after a call: held, dropped if only calls follow
                 if emit:
                     events.append(ParseEvent(text=emit))
                 self._buf = self._buf[len(emit) :]
                 return events
             if start:
-                events.append(ParseEvent(text=self._buf[:start]))
+                if not (self.calls and not self._buf[:start].strip()):  # not the newline between calls
+                    events.append(ParseEvent(text=self._buf[:start]))
                 self._buf = self._buf[start:]
             close = CLOSE_TAG if marker == OPEN_TAG else FENCE
             end = self._buf.find(close, len(marker))
@@ -134,7 +137,7 @@ class ToolCallParser:
     def finish(self) -> list[ParseEvent]:
         """Flush at the end of the turn: a bare JSON output becomes calls, anything else text."""
         buf, self._buf = self._buf, ""
-        if not buf:
+        if not buf or (self.calls and not buf.strip()):
             return []
         if self.tools_enabled:
             if self._bare:

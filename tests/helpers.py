@@ -82,7 +82,7 @@ def make_prompt(seed: int, length: int = 40) -> list[int]:
 
 
 def masked_plain_greedy(target: LoadedModel, prompt: list[int], max_new_tokens: int, tools=None, tool_choice=None,
-                        response_format=None, stop_token_ids=(EOS,)) -> list[int]:
+                        response_format=None, stop_token_ids=(EOS,), parallel=True) -> list[int]:
     """Reference output of constrained decoding: one full forward per token (no cache, no drafts, no
     jump-forward), the argmax among the tokens the grammar allows (stop tokens where it accepts), llguidance
     driven directly."""
@@ -93,7 +93,7 @@ def masked_plain_greedy(target: LoadedModel, prompt: list[int], max_new_tokens: 
     from agentspec.toolcalls import normalise_tools
 
     g = ToolCallGrammar(target.tokenizer, normalise_tools(tools), tool_choice, response_format)
-    grammar, error = g.compile(g.enforced(tool_choice))
+    grammar, error = g.compile(g.enforced(tool_choice, parallel))
     assert error is None, error
     m = llguidance.LLMatcher(g._ll, grammar, log_level=0)
     bitmask = lt.allocate_token_bitmask(1, g.vocab_size)

@@ -175,8 +175,8 @@ class ChatAgentSpec(BaseChatModel):
             video_inputs=False, image_tool_message=False, pdf_tool_message=False, text_outputs=True,
             image_outputs=False, audio_outputs=False, video_outputs=False, reasoning_output=False,
             tool_calling=True, tool_call_streaming=True, temperature=True, attachment=False,
-            tool_choice=True,  # by instruction + a check of the verified calls, not constrained decoding
-            structured_output=False,  # JSON modes are prompted and parsed, not grammar-enforced (yet)
+            tool_choice=True,  # required / named calls: enforced by the verifier's grammar
+            structured_output=True,  # json_schema / json_mode / function_calling: grammar-enforced
         )
 
     def _new_client(self) -> SpecClient:
@@ -337,8 +337,10 @@ class ChatAgentSpec(BaseChatModel):
         """Answers parsed into ``schema`` (a Pydantic class, TypedDict, JSON schema or OpenAI tool).
 
         ``function_calling`` forces a call to a tool built from the schema; ``json_mode``/``json_schema`` ask
-        for JSON text by instruction. Decoding is not constrained, so a non-complying target raises a parsing
-        error (or ``ToolChoiceError``); with ``include_raw=True`` parsing errors are returned instead.
+        for JSON text. Each is also said in an instruction and enforced by the verifier's grammar (every token
+        the target's own under the mask, lossless under speculation), so the answer has the schema's form; an
+        answer cut by ``max_tokens`` still raises a parsing error (returned instead with ``include_raw=True``).
+        Through the API fallback the provider enforces what it supports.
         """
         if kwargs:
             raise ValueError(f"unsupported arguments {sorted(kwargs)}")

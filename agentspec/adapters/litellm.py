@@ -9,7 +9,8 @@ litellm passes ``timeout`` to custom providers but does not enforce it, so this 
 cancelled, ``litellm.Timeout`` raised). Sync calls run on one private event-loop thread; SpecClients are
 cached per event loop and settings. Only verified events leave (text as committed, each tool call once,
 complete); verifier errors become litellm exception types so ``litellm.Router`` retries and fallbacks apply.
-``tool_choice`` "required" or a named function is only hinted in the last user message, not enforced.
+``tool_choice`` "required" or a named function and a JSON ``response_format`` are said in an instruction
+and enforced by the verifier's grammar (constrained decoding, lossless under speculation).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def register_model_info(provider: str, name: str) -> None:
             "litellm_provider": provider, "mode": "chat", "input_cost_per_token": 0.0,
             "output_cost_per_token": 0.0, "supports_function_calling": True, "supports_tool_choice": True,
             "supports_parallel_function_calling": True, "supports_system_messages": True,
-            "supports_response_schema": False,  # response_format is refused (see litellm_request)
+            "supports_response_schema": True,  # json_object / json_schema, enforced by the verifier's grammar
         }})
         _registered.add(key)
 
@@ -148,7 +149,8 @@ class AgentSpecLLM(litellm.CustomLLM):
         events: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
 
         stream = client.astream(req.messages, req.tools, max_tokens=req.max_tokens, sampling=req.sampling,
-                                stop=req.stop, mode=req.mode, model=req.model)
+                                stop=req.stop, mode=req.mode, model=req.model, tool_choice=req.tool_choice,
+                                response_format=req.response_format)
         task = loop.create_task(_pump(stream, events.put_nowait))  # its errors are raised to the consumer below
         _background.add(task)
         task.add_done_callback(_background.discard)

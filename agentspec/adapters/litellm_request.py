@@ -12,7 +12,13 @@ from typing import Any
 
 import httpx
 
-from agentspec.toolcalls import add_instruction, flatten_content, tool_choice_instruction
+from agentspec.toolcalls import (
+    add_instruction,
+    check_structure,
+    flatten_content,
+    response_format_instruction,
+    tool_choice_instruction,
+)
 from agentspec.transport import verifier_base
 from agentspec.types import SamplingParams
 
@@ -47,6 +53,8 @@ class Request:
     num_draft_tokens: int
     segment_tokens: int
     single_call: bool = False  # parallel_tool_calls=False: the answer keeps its first tool call only
+    tool_choice: str | dict[str, Any] | None = None  # required / named: enforced by the verifier's grammar
+    response_format: dict[str, Any] | None = None  # json_object / json_schema: enforced likewise
 
     @property
     def client_key(self) -> tuple[Any, ...]:
@@ -64,9 +72,7 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
     bad = UnsupportedRequest
     if int(params.get("n") or 1) != 1:
         raise bad("agentspec generates one choice per request (n=1)")
-    rf = params.pop("response_format", None)
-    if rf and (rf.get("type") if isinstance(rf, dict) else rf) not in (None, "text"):
-        raise bad("response_format is not supported by the agentspec provider; use tools instead")
+    rf = _response_format(params.pop("response_format", None))
     base = api_base or os.environ.get("AGENTSPEC_API_BASE") or DEFAULT_API_BASE
     urls = tuple(verifier_base(u) for u in base.split(",") if u.strip())
     tools = params.pop("tools", None) or None
@@ -75,7 +81,14 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
     except ValueError as e:
         raise bad(str(e)) from e
     single = params.pop("parallel_tool_calls", None) is False and bool(tools)
-    tools, messages = _apply_tool_choice(params.pop("tool_choice", None), tools, messages, single)
+    choice = params.pop("tool_choice", None)
+    try:
+        check_structure(tools, choice, rf)
+    except ValueError as e:
+        raise bad(str(e)) from e
+    tools, messages = _apply_tool_choice(choice, tools, messages, single)
+    if rf is not None:
+        messages = add_instruction(messages, response_format_instruction(rf) or "")
     stop = params.pop("stop", None) or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     limits = [params.pop(k, None) for k in ("max_completion_tokens", "max_tokens")]
@@ -109,12 +122,26 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
     return Request(model=model, urls=urls, api_key=api_key or os.environ.get("AGENTSPEC_API_KEY"),
                    messages=messages, tools=tools, max_tokens=int(max_tokens), sampling=sampling, stop=stop,
                    timeout_s=_seconds(timeout), mode=mode, num_draft_tokens=int(extras.get("num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS)),
-                   segment_tokens=int(extras.get("segment_tokens", DEFAULT_SEGMENT_TOKENS)), single_call=single)
+                   segment_tokens=int(extras.get("segment_tokens", DEFAULT_SEGMENT_TOKENS)), single_call=single,
+                   tool_choice=choice if tools and choice not in (None, "auto", "none") else None,
+                   response_format=rf)
+
+
+def _response_format(rf: Any) -> dict[str, Any] | None:
+    """litellm's ``response_format`` as an OpenAI dict (a Pydantic class becomes its JSON schema); None for
+    text."""
+    if isinstance(rf, type) and hasattr(rf, "model_json_schema"):
+        rf = {"type": "json_schema", "json_schema": {"name": rf.__name__, "schema": rf.model_json_schema()}}
+    if rf is None or (isinstance(rf, dict) and rf.get("type") in (None, "text")):
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("json_object", "json_schema"):
+        raise UnsupportedRequest(f"response_format must be text, json_object or json_schema, got {rf!r}")
+    return rf
 
 
 def _apply_tool_choice(choice: Any, tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]],
                        single: bool = False) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
-    """``none`` hides the tools; ``required``/named add a hint (not enforced: no constrained decoding), as
+    """``none`` hides the tools; ``required``/named add a hint (the verifier's grammar enforces them), as
     does ``single`` (``parallel_tool_calls=False``)."""
     if choice in (None, "auto") or not tools:
         if choice not in (None, "auto", "none"):

@@ -102,7 +102,8 @@ class ToolCallGrammar:
         self.openings: list[_Opening] = []
         self.at_start: str | None = None  # grammar engaged before the answer's first token
         self.bare: str | None = None  # grammar engaged when the answer's first token starts a JSON value
-        self.calls: str | None = None  # one or more tagged calls: what tool_choice required/named enforces
+        self.calls: str | None = None  # one or more tagged calls: what tool_choice "required" enforces
+        self.one_call: str | None = None  # one tagged call: a named tool, or parallel_tool_calls=False
         self.value: str | None = None  # the JSON answer response_format enforces
         if tools:
             one = " | ".join(call_rule(g, t["name"], t.get("parameters"), 0) for g in self._layouts for t in tools)
@@ -119,7 +120,7 @@ class ToolCallGrammar:
                              _Opening(_FENCE + "json", f'"\\n" {in_fence}'), _Opening(_FENCE + "json\n", in_fence)]
             self.bare = many
             tagged = f'{_special_or_literal(tokenizer, _OPEN_TAG)} "\\n" {in_tag}'
-            self.calls = f'{tagged} ("\\n" {tagged})*'
+            self.one_call, self.calls = tagged, f'{tagged} ("\\n" {tagged})*'
             if tool_choice == "required" or isinstance(tool_choice, dict):
                 self.at_start = tagged
         rf = response_format if isinstance(response_format, dict) else {}
@@ -141,12 +142,15 @@ class ToolCallGrammar:
     def empty(self) -> bool:
         return not self.openings and self.at_start is None and self.bare is None
 
-    def enforced(self, tool_choice: Any) -> str | None:
+    def enforced(self, tool_choice: Any, parallel: bool = True) -> str | None:
         """The start rule body a constrained answer must match (None: nothing to enforce).
 
-        ``tool_choice`` required or named: one or more tagged calls (of the named tool); else a JSON
-        ``response_format``: its value — or, with tools the model may call ("auto"), a value or calls."""
-        if self.calls is not None and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        ``tool_choice`` required: one or more tagged calls (one when not ``parallel``); named: one call of
+        that tool; else a JSON ``response_format``: its value — or, with tools the model may call ("auto"),
+        a value or calls."""
+        if self.calls is not None and (isinstance(tool_choice, dict) or (tool_choice == "required" and not parallel)):
+            return self.one_call
+        if self.calls is not None and tool_choice == "required":
             return self.calls
         if self.value is not None:
             return self.value if self.calls is None else f"{self.value} | {self.calls}"

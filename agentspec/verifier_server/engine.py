@@ -148,7 +148,7 @@ class VerifierEngine:
             raise ProtocolError("this model has no tokenizer to enforce a grammar with", param=param)
         try:
             constraint = Constraint(self.target.tokenizer, normalise_tools(req.tools), req.tool_choice,
-                                    req.response_format, stops)
+                                    req.response_format, stops, req.parallel_tool_calls)
             constraint.sync(answer, 0)  # a reopened answer must already follow the grammar
         except ConstraintError as e:
             raise ProtocolError(str(e), param=param) from e

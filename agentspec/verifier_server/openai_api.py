@@ -45,7 +45,8 @@ async def chat_completion_events(engine: VerifierEngine, req: ChatRequest, owner
     sampling = req.sampling()
     sampling.check_against(engine.vocab_size)
     info = await engine.open_session(OpenSession(messages=messages, tools=tools, tool_choice=req.tool_choice,
-                                                 response_format=structured), owner)
+                                                 response_format=structured, parallel_tool_calls=not single),
+                                     owner)
     session = engine.store.get(info.session_id, owner)
     created, cid = int(time.time()), "chatcmpl-" + uuid.uuid4().hex[:24]
     model = req.model or engine.config.served_model_name

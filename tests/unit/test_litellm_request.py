@@ -53,7 +53,21 @@ def test_messages_become_plain_dicts():
 
 
 @pytest.mark.parametrize("params", [{"n": 2}, {"mode": "edge"}, {"mode": "api"}, {"max_tokens": 0},
-                                    {"temperature": -1}, {"response_format": {"type": "json_object"}}])
+                                    {"temperature": -1}, {"response_format": {"type": "xml"}},
+                                    {"response_format": {"type": "json_schema", "json_schema": {
+                                        "name": "x", "schema": {"type": "strnig"}}}}])
 def test_refused(params):
     with pytest.raises(UnsupportedRequest):
         parse(params)
+
+
+def test_response_format_is_passed_on_with_its_instruction():
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+
+    req = parse({"response_format": City})
+    assert req.response_format["type"] == "json_schema" and req.response_format["json_schema"]["name"] == "City"
+    assert any("JSON" in m["content"] for m in req.messages)  # the instruction the model sees
+    assert parse({"response_format": {"type": "text"}}).response_format is None
