@@ -46,7 +46,10 @@ class Constraint:
 
     def __init__(self, tokenizer: Any, tools: Any, tool_choice: Any, response_format: Any,
                  stop_token_ids: Iterable[int], parallel_tool_calls: bool = True) -> None:
-        grammar = ToolCallGrammar(tokenizer, tools, tool_choice, response_format)
+        try:
+            grammar = ToolCallGrammar(tokenizer, tools, tool_choice, response_format)
+        except ValueError as e:
+            raise ConstraintError(f"this structure cannot be enforced: {e}") from e
         body = grammar.enforced(tool_choice, parallel_tool_calls)
         if body is None:
             raise ConstraintError("nothing to enforce: tool_choice needs tools, response_format a JSON type")
@@ -58,11 +61,16 @@ class Constraint:
             raise ConstraintError(f"the grammar engine cannot enforce this structure: {self._matcher.get_error()}")
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.vocab_size = int(grammar.vocab_size)  # the mask's width; a wider model head's extra rows are -inf
+        # llguidance allows its EOS where the grammar accepts; only the session's stop tokens may end it
+        eos = grammar.eos_token_id
+        self._foreign_eos = eos if eos is not None and eos not in self.stop_token_ids and eos < self.vocab_size \
+            else None
         self._words = (self.vocab_size + 31) // 32
         self._consumed: list[int] = []  # answer tokens the matcher has consumed (stop tokens excluded)
         self._start = -1
         self._lock = threading.Lock()  # a server session's rounds and drafts may run on different threads
         self.forced_committed = 0  # tokens taken by jump-forward (statistics)
+        self.jump_forward = True  # False: every token, forced or not, goes through a target pass
 
     # -- following the committed answer ---------------------------------------------------------------
 
@@ -108,6 +116,8 @@ class Constraint:
         a row that allows nothing (a dead end) allows the stop tokens, so the answer can always end."""
         bits = np.unpackbits(packed.numpy().view(np.uint8), bitorder="little").reshape(packed.shape[0], -1)
         allowed = torch.from_numpy(bits[:, : self.vocab_size].astype(bool))
+        if self._foreign_eos is not None:
+            allowed[:, self._foreign_eos] = False
         stops = [t for t in self.stop_token_ids if t < self.vocab_size]
         if stops:
             allowed[:, stops] = torch.tensor(accepting)[:, None]
@@ -129,32 +139,42 @@ class Constraint:
         for i, p in enumerate(parents):
             children[p + 1].append(i)
         with self._lock:
-            self._row(packed, 0)
-            accepting[0] = bool(self._matcher.is_accepting())
-            # depth-first: consume a node, fill its row, visit its subtree, roll back
-            stack: list[tuple[int, bool]] = [(c, False) for c in reversed(children[0])]
-            while stack:
-                node, leaving = stack.pop()
-                if leaving:
-                    self._matcher.rollback(1)
-                    continue
-                tok, parent = int(draft_tokens[node]), int(parents[node])
-                # a token outside the parent's mask would put the matcher in its error state: check first
-                if tok in self.stop_token_ids or tok >= self.vocab_size or not _bit(packed, parent + 1, tok):
-                    for d in _subtree(children, node):
-                        dead[d + 1] = True
-                    continue
-                if not self._matcher.consume_token(tok) or self._matcher.is_error():
-                    raise ConstraintError(f"the grammar engine failed: {self._matcher.get_error()}")
-                self._row(packed, node + 1)
-                accepting[node + 1] = bool(self._matcher.is_accepting())
-                stack.append((node, True))
-                stack.extend((c, False) for c in reversed(children[node + 1]))
+            try:
+                self._walk(packed, accepting, dead, draft_tokens, parents, children)
+            except BaseException:
+                self._start = -1  # the matcher may hold part of a path: the next sync starts afresh
+                raise
         allowed = self._bits(packed, accepting)
         for row, is_dead in enumerate(dead):
             if is_dead:
                 allowed[row] = True
         return allowed
+
+    def _walk(self, packed: torch.Tensor, accepting: list[bool], dead: list[bool], draft_tokens: Sequence[int],
+              parents: Sequence[int], children: list[list[int]]) -> None:
+        """:meth:`masks`' depth-first walk (under the lock): consume a node, fill its row, visit its subtree,
+        roll back."""
+        self._row(packed, 0)
+        accepting[0] = bool(self._matcher.is_accepting())
+        stack: list[tuple[int, bool]] = [(c, False) for c in reversed(children[0])]
+        while stack:
+            node, leaving = stack.pop()
+            if leaving:
+                self._matcher.rollback(1)
+                continue
+            tok, parent = int(draft_tokens[node]), int(parents[node])
+            # a token outside the parent's mask would put the matcher in its error state: check first
+            if (tok in self.stop_token_ids or tok >= self.vocab_size or tok == self._foreign_eos
+                    or not _bit(packed, parent + 1, tok)):
+                for d in _subtree(children, node):
+                    dead[d + 1] = True
+                continue
+            if not self._matcher.consume_token(tok) or self._matcher.is_error():
+                raise ConstraintError(f"the grammar engine failed: {self._matcher.get_error()}")
+            self._row(packed, node + 1)
+            accepting[node + 1] = bool(self._matcher.is_accepting())
+            stack.append((node, True))
+            stack.extend((c, False) for c in reversed(children[node + 1]))
 
     def apply(self, logits: torch.Tensor, draft_tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
         """``logits`` (``[n + 1, vocab']``) with every token the grammar forbids at -inf (float32 copy)."""
@@ -177,9 +197,9 @@ class Constraint:
         if len(nonzero) != 1 or int(words[nonzero[0]]) & (int(words[nonzero[0]]) - 1):
             return None
         tok = int(nonzero[0]) * 32 + int(words[nonzero[0]]).bit_length() - 1
-        return None if tok in self.stop_token_ids or tok >= self.vocab_size else tok
+        return None if tok in self.stop_token_ids or tok >= self.vocab_size or tok == self._foreign_eos else tok
 
-    def jump_forward(self, tokens: list[int], start: int, room: int) -> list[int]:
+    def take_forced(self, tokens: list[int], start: int, room: int) -> list[int]:
         """Append to ``tokens`` (synced) the run of single-choice tokens the grammar forces, at most ``room``."""
         taken: list[int] = []
         while len(taken) < room:
@@ -224,7 +244,8 @@ class Constraint:
         keep: list[int] = []
         alive = [True] * len(parents)
         for i, p in enumerate(parents):
-            ok = (p < 0 or alive[p]) and bool(rows[p + 1, proposal.tokens[i]])
+            tok = proposal.tokens[i]
+            ok = (p < 0 or alive[p]) and tok < rows.shape[1] and bool(rows[p + 1, tok])
             if not ok and p >= 0 and not alive[p]:
                 alive[i] = False
                 continue

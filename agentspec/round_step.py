@@ -114,11 +114,11 @@ def commit_round(seq: Sequence, proposal: DraftProposal, logits: torch.Tensor, n
     if params.logprobs is not None:  # output token j was chosen at the row after the path's (j - 1)th node
         rows = [0, *(a + 1 for a in result.accepted_nodes)][: len(new)]
         logprobs = token_logprobs(raw, rows, new, params.logprobs)
-    elif constraint is not None and finish is None:
+    elif constraint is not None and constraint.jump_forward and finish is None:
         # where the grammar allows one token only, masked plain decoding takes it whatever the target says:
         # commit it now (its KV comes with the next pass) rather than spend a verified position on it
         constraint.sync(seq.tokens, seq.num_prompt_tokens)
-        forced = constraint.jump_forward(seq.tokens, seq.num_prompt_tokens, cap - len(seq.tokens))
+        forced = constraint.take_forced(seq.tokens, seq.num_prompt_tokens, cap - len(seq.tokens))
         new = [*new, *forced]
         if forced and len(seq.tokens) >= cap:
             finish = "length"

@@ -360,8 +360,8 @@ def normalise_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
 
 
 def _normalise(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        out = {k: _normalise(v) for k, v in obj.items()}
+    if isinstance(obj, dict):  # instance data (enum, const, default, examples) is left as it is
+        out = {k: v if k in ("enum", "const", "default", "examples") else _normalise(v) for k, v in obj.items()}
         kind = out.get("type")
         if isinstance(kind, str) and kind in _PY_TYPES:
             if _PY_TYPES[kind] is None:

@@ -131,6 +131,14 @@ class DraftProposal:
         """Parent indices, also for a linear chain."""
         return list(self.parents) if self.parents is not None else list(range(-1, len(self.tokens) - 1))
 
+    def head(self, n: int) -> DraftProposal:
+        """The first ``n`` nodes (topological order keeps every kept node's parent)."""
+        if n >= len(self.tokens):
+            return self
+        parents = self.parents[:n] if self.parents is not None else None
+        probs = self.draft_probs[:n] if self.draft_probs is not None else None
+        return DraftProposal(self.tokens[:n], parents, probs, self.source, min(self.num_forced, n))
+
     def depth(self) -> int:
         """Length of the longest root-to-leaf path."""
         depths: list[int] = []

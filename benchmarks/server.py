@@ -36,15 +36,19 @@ TARGET = "smollm2-135m-instruct"
 
 
 class Verifier:
-    """An ``agentspec-verifier`` subprocess on a free loopback port."""
+    """An ``agentspec-verifier`` subprocess on a free loopback port (``cpus``: pinned there with ``taskset``,
+    as on a machine of its own)."""
 
-    def __init__(self, dtype: str, *extra: str, threads: int = 2) -> None:
+    def __init__(self, dtype: str, *extra: str, threads: int = 2, target: str = TARGET, cpus: str | None = None
+                 ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        cmd = [sys.executable, "-m", "agentspec.verifier_server", TARGET, "--dtype", dtype, "--device", "cpu",
+        cmd = [sys.executable, "-m", "agentspec.verifier_server", target, "--dtype", dtype, "--device", "cpu",
                "--port", str(self.port), "--log-level", "warning", *extra]
+        if cpus is not None:
+            cmd = ["taskset", "-c", cpus, *cmd]
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the server; not a pipe, which could fill)
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
         self.url = f"http://127.0.0.1:{self.port}"

@@ -229,8 +229,8 @@ class ChatAgentSpec(BaseChatModel):
         args = {"messages": chat, "tools": None if choice.kind == "none" else tools,
                 "max_tokens": kwargs.get("max_tokens") or self.max_tokens or 512, "sampling": sampling,
                 "stop": list(stop if stop is not None else self.stop or ()), "mode": kwargs.get("mode"),
-                # the same wishes as grammar for the drafters: they shape drafts, never the output
-                "tool_choice": choice.openai(),
+                # enforced by the verifier's grammar (required / named calls, JSON answers)
+                "tool_choice": choice.openai(), "parallel_tool_calls": not choice.single,
                 "response_format": rf if isinstance(rf := kwargs.get("response_format"), dict) else None,
                 # the per-call or configured name (unset: the verifier's own), one the verifier serves
                 "model": model or (self.model_name if "model_name" in self.model_fields_set else None)}

@@ -42,7 +42,8 @@ def to_chat_messages(messages: Sequence[BaseMessage], dict_arguments: bool = Tru
 @dataclass(frozen=True)
 class ToolChoice:
     """What ``tool_choice`` asks for: ``kind`` ``auto``, ``none``, ``any`` or ``named`` (``name`` set);
-    ``single``: ``parallel_tool_calls=False``. Enforced by instruction and :meth:`check`, not decoding."""
+    ``single``: ``parallel_tool_calls=False``. Said in an instruction, enforced by the verifier's grammar
+    (required / named, one call when single) and checked on the answer (:meth:`check`)."""
 
     kind: str = "auto"
     name: str | None = None

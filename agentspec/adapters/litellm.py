@@ -150,7 +150,7 @@ class AgentSpecLLM(litellm.CustomLLM):
 
         stream = client.astream(req.messages, req.tools, max_tokens=req.max_tokens, sampling=req.sampling,
                                 stop=req.stop, mode=req.mode, model=req.model, tool_choice=req.tool_choice,
-                                response_format=req.response_format)
+                                response_format=req.response_format, parallel_tool_calls=not req.single_call)
         task = loop.create_task(_pump(stream, events.put_nowait))  # its errors are raised to the consumer below
         _background.add(task)
         task.add_done_callback(_background.discard)

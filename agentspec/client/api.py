@@ -75,6 +75,8 @@ def api_request(run: Run, model: str, timeout: float, extra: dict[str, Any]) -> 
         request["tool_choice"] = run.tool_choice  # "none" without tools: no tools were sent at all
     if run.response_format is not None:
         request["response_format"] = run.response_format
+    if run.tools and not getattr(run, "parallel_tool_calls", True):
+        request["parallel_tool_calls"] = False
     return {**request, **extra}
 
 

@@ -48,6 +48,7 @@ class EdgeDrafting:
             seg.pipelined += 1
         else:
             prop, draft_s = self._propose(run, gamma)
+        prop = prop.head(run.max_draft_tokens)  # forced spans and tree leaves ride on top of γ
         preview = ""
         if self.preview and self.tokenizer is not None and prop.tokens and not prop.is_tree:
             preview = self.tokenizer.decode(list(prop.tokens), skip_special_tokens=True)
@@ -107,7 +108,7 @@ class EdgeDrafting:
 
                 try:
                     run.constraint = Constraint(self.tokenizer, normalise_tools(run.tools), run.tool_choice,
-                                                run.response_format, run.stop_token_ids)
+                                                run.response_format, run.stop_token_ids, run.parallel_tool_calls)
                 except ConstraintError as e:
                     log.warning("edge drafts ignore the answer's grammar: %s", e)
         return run.constraint or None

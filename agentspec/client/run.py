@@ -46,6 +46,8 @@ class Run:
         # pipelined edge drafting: (the tokens it assumed committed, the draft after them)
         self.ahead: tuple[tuple[int, ...], DraftProposal] | None = None
         self.constrained = False  # the verifier decodes this answer under its grammar (SessionInfo)
+        self.max_draft_tokens = 16  # the verifier's cap on one round's draft (SessionInfo)
+        self.parallel_tool_calls = True  # False: a constrained answer holds one tool call
         self.constraint: Any = None  # the client's copy of that grammar (edge drafts respect it); False: none
 
     @property
@@ -66,7 +68,8 @@ class Run:
         else:  # the answer so far goes along as such: its grammar and limit count from where it began
             source = {"prompt_ids": self.tokens, "num_generated": self.generated, "max_new_tokens": self.max_tokens}
         return OpenSession(**source, tools=self.tools, tool_choice=self.tool_choice,
-                           response_format=self.response_format, model=self.model).to_wire()
+                           response_format=self.response_format, parallel_tool_calls=self.parallel_tool_calls,
+                           model=self.model).to_wire()
 
     def opened(self, info: SessionInfo) -> None:
         if not self.prompt:
@@ -76,6 +79,7 @@ class Run:
         self.served_model = info.model
         self.stop_token_ids = frozenset(info.stop_token_ids)
         self.constrained = info.constrained
+        self.max_draft_tokens = info.max_draft_tokens
 
     def round_request(self, proposal: DraftProposal) -> dict[str, Any]:
         """An edge round verifying ``proposal`` after the committed tokens."""

@@ -99,9 +99,13 @@ class SpecClient:
     def stream(self, messages: list[dict], tools: list[dict] | None = None, *, max_tokens: int = 256,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None,
                tool_choice: str | dict[str, Any] | None = None, response_format: dict[str, Any] | None = None,
-               model: str | None = None) -> Iterator[Event]:
-        """Yield verified events for one chat turn; the last event is a :class:`FinalEvent`."""
+               model: str | None = None, parallel_tool_calls: bool = True) -> Iterator[Event]:
+        """Yield verified events for one chat turn; the last event is a :class:`FinalEvent`.
+
+        A required or named ``tool_choice`` and a JSON ``response_format`` are enforced by the verifier's
+        grammar (``parallel_tool_calls=False``: one call)."""
         run = self._new_run(messages, tools, max_tokens, sampling, stop, mode, tool_choice, response_format, model)
+        run.parallel_tool_calls = parallel_tool_calls
         yield from drive(self._steps(run), self._pools, partial(self._close_session, run))
         yield self._logged(run, run.final())
 
@@ -114,9 +118,10 @@ class SpecClient:
     async def astream(self, messages: list[dict], tools: list[dict] | None = None, *, max_tokens: int = 256,
                       sampling: SamplingParams | None = None, stop: Sequence[str] = (), mode: str | None = None,
                       tool_choice: str | dict[str, Any] | None = None, response_format: dict[str, Any] | None = None,
-                      model: str | None = None) -> AsyncIterator[Event]:
+                      model: str | None = None, parallel_tool_calls: bool = True) -> AsyncIterator[Event]:
         """The async twin of :meth:`stream` (native httpx.AsyncClient; never blocks the event loop on I/O)."""
         run = self._new_run(messages, tools, max_tokens, sampling, stop, mode, tool_choice, response_format, model)
+        run.parallel_tool_calls = parallel_tool_calls
         async with aclosing(adrive(self._steps(run), self._pools, partial(self._close_session, run))) as events:
             async for ev in events:
                 yield ev

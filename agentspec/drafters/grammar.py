@@ -127,7 +127,10 @@ class ToolCallGrammar:
         schema = None
         if rf.get("type") == "json_schema":
             spec = rf.get("json_schema") if isinstance(rf.get("json_schema"), dict) else {}
-            schema = spec.get("schema") if isinstance(spec.get("schema"), dict) else {"type": "object"}
+            schema = spec.get("schema", {"type": "object"})
+            if schema is False:
+                raise ValueError("response_format's schema is false: no value is valid")
+            schema = schema if isinstance(schema, dict) else {"type": "object"}
         elif rf.get("type") == "json_object":
             schema = {"type": "object"}
         if schema is not None:
@@ -137,6 +140,12 @@ class ToolCallGrammar:
     @property
     def vocab_size(self) -> int:
         return int(self._ll.vocab_size)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The token llguidance allows where a grammar accepts."""
+        eos = getattr(self._ll, "eos_token", None)
+        return int(eos) if eos is not None else None
 
     @property
     def empty(self) -> bool:

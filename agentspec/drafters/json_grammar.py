@@ -21,8 +21,13 @@ _UNEXPRESSED = frozenset({
     "multipleOf", "minItems", "maxItems", "uniqueItems", "prefixItems", "contains", "minContains", "maxContains",
     "additionalItems", "unevaluatedItems", "minProperties", "maxProperties", "patternProperties", "propertyNames",
     "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties", "anyOf", "oneOf", "allOf",
-    "not", "if", "then", "else", "$ref", "$dynamicRef",
+    "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef", "$recursiveAnchor", "$dynamicAnchor",
 })
+_REFS = ("$ref", "$dynamicRef", "$recursiveRef")
+# string formats llguidance enforces; any other ``format`` is dropped (JSON Schema makes it an annotation)
+_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("enum", "const", "default", "examples")
 _COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 _SCALARS = {"string": "JSON_STRING", "integer": "JSON_INTEGER", "number": "JSON_NUMBER",
             "boolean": '"true" | "false"', "null": '"null"'}
@@ -58,14 +63,14 @@ class LarkJson:
 
     def value(self, schema: Any, depth: int) -> str:
         """A rule matching a JSON value valid for ``schema``, laid out as if it started at ``depth``."""
+        if schema is False:
+            raise ValueError("a false schema allows no value")
         if not isinstance(schema, dict):
             return self._any()
         if schema.keys() & _UNEXPRESSED or isinstance(schema.get("type"), list):
             return self._native(schema)
-        if "enum" in schema and isinstance(schema["enum"], list) and schema["enum"]:
-            return self._rule(" | ".join(lit(json.dumps(v, ensure_ascii=False)) for v in schema["enum"]), "enum")
-        if "const" in schema:
-            return self._rule(lit(json.dumps(schema["const"], ensure_ascii=False)), "const")
+        if "enum" in schema or "const" in schema:
+            return self._rule(" | ".join(lit(json.dumps(v, ensure_ascii=False)) for v in _literals(schema)), "enum")
         kind = schema.get("type")
         if kind in _SCALARS:
             return self._rule(_SCALARS[kind], kind)
@@ -83,11 +88,13 @@ class LarkJson:
 
     def _native(self, schema: dict[str, Any]) -> str:
         """llguidance's own JSON Schema support, compact: exact for what the layout rules cannot write."""
-        return self._rule("%json" + json.dumps({**schema, "x-guidance": _COMPACT}, ensure_ascii=False), "json")
+        return self._rule("%json" + json.dumps({**_clean(schema), "x-guidance": _COMPACT}, ensure_ascii=False), "json")
 
     def _object(self, schema: dict[str, Any], depth: int) -> str:
-        props = list(schema["properties"].items())
         required = set(schema.get("required") or [])
+        props = [(k, v) for k, v in schema["properties"].items() if v is not False or k in required]
+        if not props:
+            return self._rule('"{}"', "object")
         members = [lit(f"{json.dumps(k, ensure_ascii=False)}: ") + " " + self.value(v, depth + 1) for k, v in props]
         optional = [k not in required for k, _ in props]
         # start[i]: members i.. with none written yet (never empty); rest[i]: members i.. after at least
@@ -129,8 +136,43 @@ def grammar_text(start: str, *layouts: LarkJson) -> str:
 def has_ref(schema: Any) -> bool:
     """Whether a schema refers to definitions anywhere (``$ref``): only ``%json`` of the whole can resolve it."""
     if isinstance(schema, dict):
-        return "$ref" in schema or any(has_ref(v) for v in schema.values())
+        return any(r in schema for r in _REFS) or any(has_ref(v) for k, v in schema.items() if k not in _DATA)
     return isinstance(schema, list) and any(has_ref(v) for v in schema)
+
+
+def _literals(schema: dict[str, Any]) -> list[Any]:
+    """The values an ``enum``/``const`` schema allows that its other keywords allow too (finite JSON only);
+    raises ``ValueError`` when none is left."""
+    import math
+
+    import jsonschema
+
+    values = list(schema["enum"]) if isinstance(schema.get("enum"), list) else []
+    if "const" in schema:
+        values = [schema["const"]] if "enum" not in schema else [v for v in values if v == schema["const"]]
+    rest = {k: v for k, v in schema.items() if k not in ("enum", "const")}
+    check = jsonschema.Draft202012Validator(rest)
+    values = [v for v in values if check.is_valid(v) and not (isinstance(v, float) and not math.isfinite(v))]
+    if not values:
+        raise ValueError("the schema's enum/const leaves no value its other keywords allow")
+    return values
+
+
+def _clean(schema: Any) -> Any:
+    """``schema`` without the ``format`` values llguidance does not know (annotations in JSON Schema)."""
+    if isinstance(schema, list):
+        return [_clean(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "format" and isinstance(v, str) and v not in _FORMATS:
+            continue
+        if k in _NAME_MAPS and isinstance(v, dict):
+            out[k] = {name: _clean(sub) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _DATA else _clean(v)
+    return out
 
 
 def schema_rule(g: LarkJson, schema: Any, depth: int) -> str:

@@ -41,6 +41,15 @@ def env(flag: str, default: Any) -> Any:
 POSITIVE_INT = positive(int)
 
 
+def boolean(text: str) -> bool:
+    """An argparse type: on/off, true/false, yes/no, 1/0."""
+    value = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False,
+             "0": False}.get(str(text).strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"must be on or off, got {text}")
+    return value
+
+
 def _flag(help: str, type: Callable[[str], Any] = POSITIVE_INT, name: str | None = None, scale: float = 1.0
           ) -> dict[str, Any]:
     """CLI metadata of a field: help, parser, flag name if not the field's, flag-to-field unit factor."""
@@ -81,6 +90,9 @@ class ServerConfig:
         positive(float), "header-timeout"))
     body_timeout_s: float = field(default=30.0, metadata=_flag(
         "seconds a request body may take to arrive before a 408", positive(float), "body-timeout"))
+    jump_forward: bool = field(default=True, metadata=_flag(
+        "constrained answers take the tokens their grammar alone decides without a target pass (on/off)",
+        boolean))
     log_stats_interval_s: float = field(default=10.0, metadata=_flag(
         "seconds between stats lines in the log (throughput, requests, KV use, acceptance); 0 disables", float,
         "log-stats-interval"))

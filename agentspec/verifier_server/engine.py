@@ -150,6 +150,7 @@ class VerifierEngine:
             constraint = Constraint(self.target.tokenizer, normalise_tools(req.tools), req.tool_choice,
                                     req.response_format, stops, req.parallel_tool_calls)
             constraint.sync(answer, 0)  # a reopened answer must already follow the grammar
+            constraint.jump_forward = self.config.jump_forward
         except ConstraintError as e:
             raise ProtocolError(str(e), param=param) from e
         return constraint

@@ -282,3 +282,53 @@ def test_propose_round_never_sends_what_the_grammar_forbids(bpe_target):
         prop = propose_round(drafter, ctx, 4)
         c.sync(prompt, len(prompt))
         assert len(c.prune(prop)) == len(prop)  # nothing left to prune: every node is allowed
+
+
+def _accepts(schema, text: str) -> bool:
+    """Whether the constraint of a json_schema answer takes ``text`` as a complete answer."""
+    from tests.helpers import char_tokenizer
+
+    tok = char_tokenizer()
+    c = Constraint(tok, None, None, {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}, [EOS])
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    try:
+        c.sync(ids, 0)
+    except ConstraintError:
+        return False
+    return bool(c.masks((), [])[0, EOS])
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "string", "enum": ["a", 1]}, '"a"', "1"),
+    ({"type": "integer", "enum": [1, "x"], "minimum": 0}, "1", '"x"'),
+    ({"enum": [1, 2], "const": 1}, "1", "2"),
+    ({"type": "object", "properties": {"a": False, "b": {"type": "integer"}}, "required": ["b"]}, '{"b": 1}',
+     '{"a": 1, "b": 1}'),
+    ({"type": "string", "format": "password", "maxLength": 3}, '"abc"', '"abcd"'),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 2}}, "required": ["n"]}, '{"n": 2}',
+     '{"n": 1}'),
+    ({"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k", "z"]}, '{"k": "v", "z": 1}',
+     '{"k": "v"}'),
+])
+def test_the_grammar_accepts_only_values_valid_for_the_schema(schema, good, bad):
+    jsonschema.validate(json.loads(good), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(bad), schema)
+    assert _accepts(schema, good) and not _accepts(schema, bad)
+
+
+@pytest.mark.parametrize("schema", [False, {"enum": []}, {"type": "string", "enum": [1, 2]},
+                                    {"type": "object", "properties": {"a": False}, "required": ["a"]}])
+def test_unsatisfiable_schemas_are_refused(schema):
+    with pytest.raises(ConstraintError):
+        Constraint(BPE, None, None, {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}, [EOS])
+
+
+def test_a_stop_set_without_the_tokenizer_eos_never_commits_it(target):
+    """Stop tokens are the session's: llguidance's own EOS (id 1 here) is not allowed when the session ends
+    answers with another token, and the answer still ends at a stop token, valid."""
+    spec = {"response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": ["ab"]}}}}
+    prompt = _prompt(target.tokenizer, "<user>pick\n<assistant>")
+    engine = SpecEngine(target, make_drafter("default", tokenizer=target.tokenizer), stop_token_ids=[0])
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=10), **spec)
+    assert out.tokens[-1] == 0 and EOS not in out.tokens and out.text == '"ab"'
