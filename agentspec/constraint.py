@@ -121,9 +121,15 @@ class Constraint:
         stops = [t for t in self.stop_token_ids if t < self.vocab_size]
         if stops:
             allowed[:, stops] = torch.tensor(accepting)[:, None]
-            dead = ~allowed.any(dim=-1)
-            if dead.any():
-                allowed[dead.nonzero()[:, 0][:, None], torch.tensor(stops)] = True
+        dead = ~allowed.any(dim=-1)
+        if dead.any():  # the grammar has ended (or cannot go on): the answer ends — by a stop token, else by
+            # llguidance's EOS; a session with neither goes on unconstrained rather than with no token at all
+            ends = stops or ([self._foreign_eos] if self._foreign_eos is not None else [])
+            rows = dead.nonzero()[:, 0]
+            if ends:
+                allowed[rows[:, None], torch.tensor(ends)] = True
+            else:
+                allowed[rows] = True
         return allowed
 
     def masks(self, draft_tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
