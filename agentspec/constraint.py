@@ -69,7 +69,6 @@ class Constraint:
         self._consumed: list[int] = []  # answer tokens the matcher has consumed (stop tokens excluded)
         self._start = -1
         self._lock = threading.Lock()  # a server session's rounds and drafts may run on different threads
-        self.forced_committed = 0  # tokens taken by jump-forward (statistics)
         self.jump_forward = True  # False: every token, forced or not, goes through a target pass
 
     # -- following the committed answer ---------------------------------------------------------------
@@ -98,11 +97,6 @@ class Constraint:
             self._matcher.consume_token(tok)
         self._consumed.extend(extra[:ok])
         return None if ok == len(extra) else (keep + ok, extra[ok])
-
-    @property
-    def done(self) -> bool:
-        """Whether the grammar has ended (only a stop token may follow)."""
-        return bool(self._matcher.is_stopped())
 
     # -- masks ----------------------------------------------------------------------------------------
 
@@ -215,7 +209,6 @@ class Constraint:
             tokens.append(tok)
             taken.append(tok)
             self.sync(tokens, start)
-        self.forced_committed += len(taken)
         return taken
 
     # -- drafts ---------------------------------------------------------------------------------------
