@@ -1,7 +1,7 @@
 """Constrained decoding under speculation: BFCL tool calls with a required/named tool_choice and JSON-schema
 answers, every mode, against masked plain decoding.
 
-Run: ``python -m benchmarks.structured`` (alone on the machine, ~25 min on 2 cores); ``--quick``: 4 + 3
+Run: ``python -m benchmarks.structured`` (alone on the machine, about an hour on 2 cores); ``--quick``: 4 + 3
 prompts, a few minutes. Writes ``benchmarks/results/structured.json`` (``structured_quick.json``).
 
 Target Qwen2.5-Coder-0.5B-Instruct (offline GGUF) in ``--dtype`` (default float32), greedy. Two
@@ -14,7 +14,10 @@ BFCL ``simple_python``/``live_simple`` questions asking for the function's argum
 ``response_format`` = the function's parameter schema. Every request carries the same instruction, so the
 constrained and the unconstrained request differ only in the grammar.
 
-Methods, per prompt in rotated order after a warm-up of each:
+Every method has its own API key and client, so the server's and the client's cross-conversation copy
+indexes hold only that method's own earlier answers (a shared index would let a method copy another method's
+answer to the same prompt). Methods, per prompt in rotated order, after an untimed warm-up of each on a prompt
+outside the set:
 
 * ``masked_plain`` — server-ar, jump-forward off: one target pass per token, the argmax under the mask (the
   reference every constrained output is compared with, token for token);
@@ -62,17 +65,20 @@ NO_JUMP = {"masked_plain", "server_drafted"}
 
 def tool_tasks(n: int) -> list[dict[str, Any]]:
     """BFCL prompts with tool_choice named (one-function categories) or required (several functions)."""
-    tasks = []
-    for p in common.bfcl_prompts(n, ("simple_python", "multiple", "live_multiple", "live_simple")):
-        tools = normalise_tools([dict(t) for t in p.tools])
-        named = p.category in ("simple_python", "live_simple")
-        choice = {"type": "function", "function": {"name": tools[0]["function"]["name"]}} if named else "required"
-        messages = add_instruction([dict(m) for m in p.messages], tool_choice_instruction(choice) or "")
-        # one call each (BFCL's answers for these categories are one call): a 0.5B allowed several repeats
-        # its call until the token limit, identically with and without speculation
-        tasks.append({"id": p.id, "kind": "tool", "messages": messages, "tools": tools, "tool_choice": choice,
-                      "parallel_tool_calls": False})
-    return tasks
+    return [tool_task(p) for p in common.bfcl_prompts(n, ("simple_python", "multiple", "live_multiple",
+                                                             "live_simple"))]
+
+
+def tool_task(p: common.Prompt) -> dict[str, Any]:
+    """One BFCL prompt as a constrained tool-call task: the only function named, else ``required``."""
+    tools = normalise_tools([dict(t) for t in p.tools])
+    named = p.category in ("simple_python", "live_simple")
+    choice = {"type": "function", "function": {"name": tools[0]["function"]["name"]}} if named else "required"
+    messages = add_instruction([dict(m) for m in p.messages], tool_choice_instruction(choice) or "")
+    # one call each (BFCL's answers for these categories are one call): a 0.5B allowed several repeats
+    # its call until the token limit, identically with and without speculation
+    return {"id": p.id, "kind": "tool", "messages": messages, "tools": tools, "tool_choice": choice,
+            "parallel_tool_calls": False}
 
 
 def json_tasks(n: int) -> list[dict[str, Any]]:
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tool-prompts", type=int, default=32)
     ap.add_argument("--json-prompts", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/structured")
@@ -147,26 +153,31 @@ def main(argv: list[str] | None = None) -> int:
     os.sched_setaffinity(0, {0})  # the client's machine: core 0; the verifiers are pinned to core 1
     torch.set_num_threads(1)
     tasks = tool_tasks(args.tool_prompts) + json_tasks(args.json_prompts)
+    warm = tool_task(common.warmup_prompt())  # a prompt no method is measured on
     from transformers import AutoTokenizer
 
     from agentspec.models import offline_model_path
 
     gguf = offline_model_path(TARGET)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    servers = {False: Verifier(args.dtype, "--jump-forward", "off", threads=1, target=TARGET, cpus="1"),
-               True: Verifier(args.dtype, threads=1, target=TARGET, cpus="1")}
-    clients = {jf: SpecClient(v.url, drafter=NgramDrafter(), tokenizer=tok, num_draft_tokens=6, timeout=600)
-               for jf, v in servers.items()}
     methods = CONSTRAINED + UNCONSTRAINED
+    # one API key and one client per method: the server's cross-conversation copy index is per key and the
+    # client's is per client, so every method drafts from its own past answers only — never from another
+    # method's answer to the same prompt moments before (which would favour whichever ran later)
+    keys = [a for m in methods for a in ("--api-key", f"bench-{m}")]
+    servers = {False: Verifier(args.dtype, "--jump-forward", "off", *keys, threads=1, target=TARGET, cpus="1"),
+               True: Verifier(args.dtype, *keys, threads=1, target=TARGET, cpus="1")}
+    clients = {m: SpecClient(servers[m not in NO_JUMP].url, api_key=f"bench-{m}", drafter=NgramDrafter(),
+                             tokenizer=tok, num_draft_tokens=6, timeout=600) for m in methods}
     try:
-        for m in methods:  # warm-up: every method once, untimed
-            run_one(clients[m not in NO_JUMP], tasks[0], m, 24)
+        for m in methods:  # warm-up: every method once, untimed, on a prompt that is not measured
+            run_one(clients[m], warm, m, 24)
         rows: list[dict[str, Any]] = []
         partial = Path(args.out + ".rows.jsonl")  # each prompt's row as it is done (a cut run keeps them)
         partial.write_text("")
         for i, task in enumerate(tasks):
             order = methods[i % len(methods):] + methods[: i % len(methods)]
-            outs = {m: run_one(clients[m not in NO_JUMP], task, m, args.max_new_tokens) for m in order}
+            outs = {m: run_one(clients[m], task, m, args.max_new_tokens) for m in order}
             ref = outs["masked_plain"]["tokens"]
             row = {"id": task["id"], "kind": task["kind"],
                    "identical": {m: outs[m]["tokens"] == ref for m in CONSTRAINED},
@@ -218,7 +229,8 @@ def summarise(rows: list[dict[str, Any]], args: Any) -> dict[str, Any]:
             "ms_per_token": {m: 1e3 * v for m, v in per_token.items()},
             "constrained_vs_unconstrained_by_mode": vs_unc,
             "setup": {"target": TARGET, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-                      "server": "2 agentspec-verifier processes, taskset core 1, 1 thread (jump-forward off / on)",
+                      "server": "2 agentspec-verifier processes, taskset core 1, 1 thread (jump-forward off / on); "
+                                "one API key (own cross-conversation copy index) and one client per method",
                       "client": "core 0, 1 thread; edge drafter = grammar + copy + n-gram tree",
                       "machine": common.machine_info()},
             "rows": rows}
