@@ -1,4 +1,5 @@
-"""``agentspec`` command line: ``demo`` (the LangGraph demo) and ``train`` (distil a drafter)."""
+"""``agentspec`` command line: ``demo`` (the LangGraph demo), ``train`` (distil a drafter) and ``export``
+(a model as a checkpoint directory other engines such as vLLM load)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, defaults: bool = Tru
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``agentspec``'s parser: the ``demo`` and ``train`` subcommands, flags generated from their configs."""
+    """``agentspec``'s parser: ``demo`` and ``train`` (flags generated from their configs), and ``export``."""
     from agentspec.demo import DemoConfig
     from agentspec.training.config import TrainConfig
 
@@ -49,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="distil a tool-call drafter for a target (rerun to resume)")
     train.add_argument("--config", default=None, help="a JSON file of TrainConfig fields (flags override it)")
     _add_fields(train, TrainConfig, defaults=False)
+    export = sub.add_parser("export", help="write a model (offline alias or .gguf) as a checkpoint directory "
+                                           "vLLM and other engines load")
+    export.add_argument("source", help="an offline alias (e.g. qwen2.5-coder-0.5b-instruct) or a .gguf file")
+    export.add_argument("out", help="the directory to write (must be empty unless --overwrite)")
+    export.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the weights' dtype (default: float32)")
+    export.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty directory")
     return parser
 
 
@@ -60,6 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     from agentspec.models import ModelLoadError
 
     try:
+        if args.command == "export":
+            from agentspec.models.export import export_checkpoint
+
+            try:
+                out = export_checkpoint(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite)
+            except ValueError as e:
+                raise SystemExit(f"agentspec export: {e}") from None
+            print(out)
+            return 0
         if args.command == "demo":
             from agentspec.demo import DemoConfig, run_demo
 
