@@ -195,11 +195,14 @@ class GrammarDrafter:
     name = "grammar"
     drafts_forced = True
 
-    def __init__(self, tokenizer: Any, max_forced: int = 32, max_grammars: int = 16) -> None:
+    def __init__(self, tokenizer: Any, max_forced: int = 32, max_grammars: int = 16,
+                 grammars: dict[str, ToolCallGrammar | None] | None = None) -> None:
+        """``grammars``: a compiled-grammar cache to share with other drafters of the same tokenizer (one
+        per sequence, each compiling the same tools otherwise)."""
         if tokenizer is None:
             raise ValueError("GrammarDrafter needs the target's tokenizer")
         self.tokenizer, self.max_forced, self.max_grammars = tokenizer, max_forced, max_grammars
-        self._grammars: dict[str, ToolCallGrammar] = {}
+        self._grammars: dict[str, ToolCallGrammar | None] = {} if grammars is None else grammars
         self.reset()
 
     def reset(self) -> None:
