@@ -303,6 +303,7 @@ class Tokenize(_Strict):
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    model: str | None = None  # as vLLM's: must name a served model when given
 
     @model_validator(mode="after")
     def _check(self) -> Tokenize:

@@ -120,7 +120,7 @@ class HTTPTransport:
         raise AssertionError("unreachable")
 
     def stream_lines(self, path: str, body: dict[str, Any]) -> Iterator[Timed]:
-        """POST and yield each NDJSON line as it arrives (no retries once streaming has begun)."""
+        """POST and yield each NDJSON (or SSE) line as it arrives (no retries once streaming has begun)."""
         for send in self._sends():
             t0 = time.perf_counter()
             with send, self._client.stream("POST", path, json=body) as r:
@@ -129,8 +129,8 @@ class HTTPTransport:
                     r.read()
                     _check(r)
                 for line in r.iter_lines():
-                    if line:
-                        yield Timed(_line(line, r.status_code), time.perf_counter() - t0)
+                    if line and (data := _line(line, r.status_code)) is not None:
+                        yield Timed(data, time.perf_counter() - t0)
                         t0 = time.perf_counter()
 
     def delete(self, path: str) -> None:
@@ -159,8 +159,8 @@ class HTTPTransport:
                         await r.aread()
                         _check(r)
                     async for line in r.aiter_lines():
-                        if line:
-                            yield Timed(_line(line, r.status_code), time.perf_counter() - t0)
+                        if line and (data := _line(line, r.status_code)) is not None:
+                            yield Timed(data, time.perf_counter() - t0)
                             t0 = time.perf_counter()
 
     async def adelete(self, path: str) -> None:
@@ -189,8 +189,13 @@ def _check(r: httpx.Response) -> dict[str, Any]:
     return data
 
 
-def _line(line: str, status: int) -> dict[str, Any]:
-    """One streamed JSON line; an error line raises as the error it carries."""
+def _line(line: str, status: int) -> dict[str, Any] | None:
+    """One streamed JSON line (NDJSON, or an SSE ``data:`` line of an OpenAI-compatible server); an error
+    line raises as the error it carries; None for SSE's other lines and its closing ``[DONE]``."""
+    if line.startswith(("data:", ":", "event:", "id:", "retry:")):
+        line = line[5:].strip() if line.startswith("data:") else ""
+        if not line or line == "[DONE]":
+            return None
     data = json.loads(line)
     if "error" in data:
         raise _error_from(data, status)

@@ -43,7 +43,7 @@ from agentspec.adapters.langchain_io import (
     response_format_instruction,
     to_chat_messages,
 )
-from agentspec.client import FinalEvent, SpecClient
+from agentspec.client import Deployment, FinalEvent, SpecClient
 from agentspec.client.api import check_api_kwargs
 from agentspec.router import ModeConfig, ModePolicy
 from agentspec.toolcalls import add_instruction
@@ -60,7 +60,8 @@ class ChatAgentSpec(BaseChatModel):
     """A LangChain chat model served by agentspec-verifier(s), with speculative decoding and fallback.
 
     ``base_url``: one verifier or several serving target ``model`` (failover in order); ``fallback_model``: a
-    litellm model id used when none is reachable. ``mode`` pins a decoding mode or lets the router choose;
+    litellm model id used when none is reachable; ``vllm_base_url``: a vLLM deployment of the same target (the
+    ``vllm`` mode). ``mode`` pins a decoding mode or lets the router choose;
     ``edge`` needs a local ``drafter`` sharing the target's tokenizer. Greedy output is the target's own.
     """
 
@@ -92,7 +93,7 @@ class ChatAgentSpec(BaseChatModel):
     stop: list[str] | None = None
     max_retries: int = 2
     streaming: bool = False
-    mode: Literal["auto", "edge", "server", "server-ar", "api"] = "auto"
+    mode: Literal["auto", "edge", "server", "server-ar", "vllm", "api"] = "auto"
     num_draft_tokens: int = Field(default=4, ge=0)
     segment_tokens: int = Field(default=16, ge=1)
     fallback_model: str | None = None
@@ -102,6 +103,11 @@ class ChatAgentSpec(BaseChatModel):
     """The fallback model's endpoint (litellm's ``api_base``); unset: litellm's default for the provider."""
     fallback_api_key: SecretStr | None = None
     """The fallback model's key (litellm's ``api_key``); never sent to a verifier (``api_key`` is theirs)."""
+    vllm_base_url: str | None = None
+    """An OpenAI-compatible deployment of the same target (vLLM) where the ``vllm`` mode runs, by token ids;
+    ``mode="auto"`` weighs it against the verifiers' modes by measured speed."""
+    vllm_api_key: SecretStr | None = None
+    """The deployment's key (unset: none)."""
     api_kwargs: dict[str, Any] = Field(default_factory=dict)
     """More litellm arguments for the fallback model's call (``drop_params``, ``extra_headers``, ...)."""
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -127,8 +133,11 @@ class ChatAgentSpec(BaseChatModel):
 
     @model_validator(mode="after")
     def _check(self) -> ChatAgentSpec:
-        if not self.base_url and self.fallback_model is None:
-            raise ValueError("give base_url (one or more agentspec-verifier URLs) or a fallback_model")
+        if not self.base_url and self.fallback_model is None and self.vllm_base_url is None:
+            raise ValueError("give base_url (one or more agentspec-verifier URLs), vllm_base_url or a "
+                             "fallback_model")
+        if self.mode == "vllm" and self.vllm_base_url is None:
+            raise ValueError("mode='vllm' needs vllm_base_url (a vLLM deployment of the same target)")
         if self.mode == "api" and self.fallback_model is None:
             raise ValueError("mode='api' needs fallback_model: set fallback_model to a litellm model id "
                              "(e.g. 'openai/gpt-4o'), with fallback_api_base / fallback_api_key")
@@ -157,7 +166,7 @@ class ChatAgentSpec(BaseChatModel):
         return {"model_name": self.model_name, "base_url": self.base_url, "mode": self.mode,
                 "num_draft_tokens": self.num_draft_tokens, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "fallback_model": self.fallback_model,
-                "fallback_api_base": self.fallback_api_base}
+                "fallback_api_base": self.fallback_api_base, "vllm_base_url": self.vllm_base_url}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider="agentspec", ls_model_name=kwargs.get("model") or self.model_name,
@@ -192,7 +201,13 @@ class ChatAgentSpec(BaseChatModel):
                           drafter=self.drafter, tokenizer=self.tokenizer, num_draft_tokens=self.num_draft_tokens,
                           mode=self.mode, fallback_model=self.fallback_model, timeout=self.timeout or 60.0,
                           retries=self.max_retries, segment_tokens=self.segment_tokens, policy=self._policy,
-                          api_kwargs=api_kwargs)
+                          api_kwargs=api_kwargs, deployment=self._deployment())
+
+    def _deployment(self) -> Deployment | None:
+        if self.vllm_base_url is None:
+            return None
+        key = self.vllm_api_key.get_secret_value() if self.vllm_api_key else None
+        return Deployment(self.vllm_base_url, self.model_name, key)
 
     def _client(self) -> SpecClient:
         with self._lock:

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from agentspec.adapters.litellm_request import Request, UnsupportedRequest, parse_request
-from agentspec.client import FinalEvent, SpecClient, TextEvent, ToolCallEvent
+from agentspec.client import Deployment, FinalEvent, SpecClient, TextEvent, ToolCallEvent
 from agentspec.client.api import litellm_module
 from agentspec.transport import VerifierError, VerifierUnavailable
 
@@ -187,8 +187,10 @@ class AgentSpecLLM(litellm.CustomLLM):
             if client is None:
                 if len(per_loop) >= _MAX_CLIENTS_PER_LOOP:  # settings vary without bound: drop the oldest
                     per_loop.pop(next(iter(per_loop))).close()
+                dep = Deployment(req.vllm_base_url, req.model, req.api_key) if req.vllm_base_url else None
                 client = SpecClient(list(req.urls), api_key=req.api_key, num_draft_tokens=req.num_draft_tokens,
-                                    timeout=req.timeout_s or DEFAULT_TIMEOUT_S, segment_tokens=req.segment_tokens)
+                                    timeout=req.timeout_s or DEFAULT_TIMEOUT_S, segment_tokens=req.segment_tokens,
+                                    deployment=dep)
                 per_loop[req.client_key] = client
             return client
 

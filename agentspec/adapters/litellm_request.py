@@ -29,7 +29,8 @@ DEFAULT_SEGMENT_TOKENS = 16
 # Accepted with nothing to do: handled by litellm itself (streaming, retries, headers) or bookkeeping that
 # does not change what the verifier generates; n is checked to be 1.
 _IGNORED = frozenset({"stream", "stream_options", "user", "metadata", "extra_headers", "max_retries", "n"})
-_EXTRAS = ("mode", "num_draft_tokens", "segment_tokens")  # agentspec's own knobs, via optional_params
+# agentspec's own knobs, via optional_params; vllm_base_url: a vLLM deployment of the target (the vllm mode)
+_EXTRAS = ("mode", "num_draft_tokens", "segment_tokens", "vllm_base_url")
 
 
 class UnsupportedRequest(ValueError):
@@ -55,10 +56,12 @@ class Request:
     single_call: bool = False  # parallel_tool_calls=False: the answer keeps its first tool call only
     tool_choice: str | dict[str, Any] | None = None  # required / named: enforced by the verifier's grammar
     response_format: dict[str, Any] | None = None  # json_object / json_schema: enforced likewise
+    vllm_base_url: str | None = None
 
     @property
     def client_key(self) -> tuple[Any, ...]:
-        return self.urls, self.api_key, self.timeout_s, self.num_draft_tokens, self.segment_tokens
+        return (self.urls, self.api_key, self.timeout_s, self.num_draft_tokens, self.segment_tokens,
+                self.vllm_base_url)
 
 
 def parse_request(model: str, messages: list[Any], api_base: str | None, api_key: str | None,
@@ -109,9 +112,14 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
         raise bad(str(e)) from e
     extras = {k: params.pop(k) for k in _EXTRAS if params.get(k) is not None}
     mode = extras.get("mode")
-    if mode not in (None, "auto", "server", "server-ar"):
-        raise bad(f"mode must be auto, server or server-ar, got {mode!r} (edge mode needs a local drafter, "
-                  "api mode a fallback model; through litellm, drafting happens on the verifier)")
+    if mode not in (None, "auto", "server", "server-ar", "vllm"):
+        raise bad(f"mode must be auto, server, server-ar or vllm, got {mode!r} (edge mode needs a local "
+                  "drafter, api mode a fallback model; through litellm, drafting happens on the verifier)")
+    vllm = extras.get("vllm_base_url")
+    if vllm is not None and (not isinstance(vllm, str) or not vllm.startswith(("http://", "https://"))):
+        raise bad(f"vllm_base_url must be an http(s) URL, got {vllm!r}")
+    if mode == "vllm" and vllm is None:
+        raise bad("mode='vllm' needs vllm_base_url (a vLLM deployment of the same target)")
     if int(max_tokens) < 1:
         raise bad(f"max_tokens must be >= 1, got {max_tokens}")
     unknown = sorted(k for k in params if k not in _IGNORED and params[k] is not None)
@@ -124,7 +132,7 @@ def parse_request(model: str, messages: list[Any], api_base: str | None, api_key
                    timeout_s=_seconds(timeout), mode=mode, num_draft_tokens=int(extras.get("num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS)),
                    segment_tokens=int(extras.get("segment_tokens", DEFAULT_SEGMENT_TOKENS)), single_call=single,
                    tool_choice=choice if tools and choice not in (None, "auto", "none") else None,
-                   response_format=rf)
+                   response_format=rf, vllm_base_url=vllm)
 
 
 def _response_format(rf: Any) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from functools import partial
 from typing import Any
 
 from agentspec.client.api import api_segment, check_api_kwargs
+from agentspec.client.deployment import Deployment, deployment_segment
 from agentspec.client.edge import EdgeDrafting
 from agentspec.client.events import FinalEvent, PreviewEvent, SegmentStats, TextEvent, ToolCallEvent
 from agentspec.client.health import VerifierHealth
@@ -31,7 +32,7 @@ from agentspec.router import ModeConfig, ModePolicy
 from agentspec.transport import HTTPTransport, ResendPrefix, Timed, VerifierError, VerifierUnavailable
 from agentspec.types import SamplingParams
 
-MODES = ("auto", "edge", "server", "server-ar", "api")
+MODES = ("auto", "edge", "server", "server-ar", "vllm", "api")
 Event = TextEvent | PreviewEvent | ToolCallEvent | FinalEvent
 
 
@@ -47,7 +48,11 @@ class SpecClient:
     not a deadline for the whole call. ``log_path``: opt-in chat JSONL log for ``agentspec train``.
     ``server_drafter``: the verifier's server-mode drafter. ``pipeline``: in edge mode, draft the next
     round while this one is in flight (``None``: while drafting takes ``PIPELINE_MIN_DRAFT_S`` or more).
-    ``policy``: a router to share; its config gets this client's γ, segment length and shadowed modes.
+    ``policy``: a router to share; its config gets this client's γ, segment length, shadowed modes and which
+    of verifier and deployment it has.
+    ``deployment``: an OpenAI-compatible server of the same target (vLLM, scaled out) where the ``vllm`` mode
+    runs, by token ids (:mod:`agentspec.client.deployment`); ``mode="auto"`` weighs it by its measured seconds
+    per token against the verifiers' modes. With no ``base_urls`` every request runs there.
     """
 
     def __init__(self, base_urls: str | Sequence[str] | None = None, *, api_key: str | None = None,
@@ -55,8 +60,9 @@ class SpecClient:
                  mode: str = "auto", fallback_model: str | None = None, timeout: float = 60.0, retries: int = 2,
                  segment_tokens: int = 16, preview: bool = False, policy: ModePolicy | None = None,
                  api_kwargs: dict[str, Any] | None = None, log_path: str | os.PathLike | None = None,
-                 server_drafter: str = "default", pipeline: bool | None = None) -> None:
-        _check_mode(mode, drafter, fallback_model)
+                 server_drafter: str = "default", pipeline: bool | None = None,
+                 deployment: Deployment | None = None) -> None:
+        _check_mode(mode, drafter, fallback_model, deployment)
         check_api_kwargs(api_kwargs or {})
         if server_drafter not in SERVER_DRAFTERS:
             raise ValueError(f"server_drafter must be one of {SERVER_DRAFTERS}, got {server_drafter!r}")
@@ -65,10 +71,12 @@ class SpecClient:
         if segment_tokens < 1:
             raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls or [])
-        if not urls and fallback_model is None:
-            raise ValueError("give at least one verifier base URL or a fallback_model")
+        if not urls and fallback_model is None and deployment is None:
+            raise ValueError("give at least one verifier base URL, a deployment or a fallback_model")
         api_key = api_key if api_key is not None else os.environ.get("AGENTSPEC_API_KEY")
         self.transports = [HTTPTransport(u, api_key=api_key, timeout=timeout, retries=retries) for u in urls]
+        self.deployment = deployment  # the vllm mode's server (an OpenAI-compatible one, same target)
+        self._deployment = deployment.transport(timeout, retries) if deployment is not None else None
         self.health = VerifierHealth(len(self.transports))  # failed verifiers back off, then come back
         self.drafter, self.tokenizer, self.num_draft_tokens = drafter, tokenizer, num_draft_tokens
         self.mode, self.fallback_model, self.segment_tokens = mode, fallback_model, segment_tokens
@@ -88,10 +96,11 @@ class SpecClient:
         if server_drafter == "ngram":
             self._shadows["server"] = make_drafter("ngram")
         if policy is None:  # a shared policy gets this client's settings in its config
-            policy = ModePolicy(ModeConfig(has_drafter=drafter is not None,
-                                           has_api=fallback_model is not None))
+            policy = ModePolicy(ModeConfig(has_drafter=drafter is not None, has_api=fallback_model is not None,
+                                           has_verifier=bool(urls), has_deployment=deployment is not None))
         policy.config = replace(policy.config, gamma_max=num_draft_tokens, segment_tokens=segment_tokens,
-                                shadowed=policy.config.shadowed | set(self._shadows))
+                                shadowed=policy.config.shadowed | set(self._shadows), has_verifier=bool(urls),
+                                has_deployment=deployment is not None)
         self.policy = policy
         self._edge = EdgeDrafting(num_draft_tokens, pipeline, tokenizer, preview)
         self._pools = Pools()  # sync pipelining's POST thread, async drafting's thread
@@ -145,7 +154,7 @@ class SpecClient:
         return int(self.transports[0].post("/tokenize", body).body["count"])
 
     def close(self) -> None:
-        for t in self.transports:
+        for t in [*self.transports, *([self._deployment] if self._deployment is not None else [])]:
             t.close()
         for pool in self._pools.values():
             pool.shutdown(wait=False)
@@ -157,13 +166,38 @@ class SpecClient:
             try:
                 if mode == "api":
                     yield from api_segment(run, self.fallback_model, self.timeout, self.api_kwargs)
+                elif mode == "vllm":
+                    yield from self._deployment_segment(run)
                 elif mode == "edge":
                     yield from self._edge_segment(run)
                 else:
                     yield from self._server_segment(run, mode)
             except (VerifierUnavailable, ResendPrefix) as e:
-                self._failover(run, e)
+                if mode == "vllm":
+                    self._deployment_failed(run, e)
+                else:
+                    self._failover(run, e)
         yield from run.close_events()
+
+    def _deployment_segment(self, run: Run) -> Steps:
+        assert self.deployment is not None and self._deployment is not None
+        seg, t0 = self._segment(run, "vllm"), time.perf_counter()
+        try:
+            yield from deployment_segment(run, self.deployment, self._deployment, seg,
+                                          min(self.segment_tokens, run.max_tokens - run.generated))
+        finally:
+            self._segment_done(run, seg, t0)
+
+    def _deployment_failed(self, run: Run, error: VerifierError) -> None:
+        """The deployment failed mid-request: the rest goes to a verifier, else the API model."""
+        run.stats.fallbacks.append(f"{type(error).__name__} on deployment {self.deployment}: {error}")
+        if self.transports:
+            run.mode = "server"
+        elif self.fallback_model is not None:
+            run.mode = "api"
+        else:
+            raise VerifierUnavailable(f"the deployment failed and there is no verifier or fallback_model: {error}",
+                                      status=error.status, code=error.code) from error
 
     def _session(self, run: Run) -> Generator[Any, Any, HTTPTransport]:
         """The verifier of ``run``, with a session open on it (opened now when there is none)."""
@@ -272,7 +306,7 @@ class SpecClient:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         mode = mode or self.mode
-        _check_mode(mode, self.drafter, self.fallback_model)
+        _check_mode(mode, self.drafter, self.fallback_model, self.deployment)
         if isinstance(stop, str):
             stop = [stop]
         # the tool drafter (grammar + copy + model tree) when the request asks for structure
@@ -281,7 +315,7 @@ class SpecClient:
         run = Run(list(messages), tools, max_tokens, sampling or SamplingParams(), stop, mode, drafter, tool_choice,
                   response_format, model)
         if not self.transports:
-            run.mode = "api"
+            run.mode = "api" if mode == "api" or self.deployment is None else "vllm"
             return run
         first = self.health.first()
         if first is None and self.fallback_model is not None:
@@ -306,9 +340,13 @@ class SpecClient:
         return final
 
 
-def _check_mode(mode: str, drafter: Drafter | None, fallback_model: str | None) -> None:
+def _check_mode(mode: str, drafter: Drafter | None, fallback_model: str | None,
+                deployment: Deployment | None = None) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "vllm" and deployment is None:
+        raise ValueError("mode='vllm' needs deployment=Deployment(base_url, model): the OpenAI-compatible "
+                         "server (vLLM) that serves the same target")
     if mode == "edge" and drafter is None:
         raise ValueError("edge mode needs a local drafter")
     if mode == "api" and fallback_model is None:

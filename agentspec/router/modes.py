@@ -24,6 +24,8 @@ class ModeConfig:
 
     has_drafter: bool = True
     has_api: bool = False
+    has_verifier: bool = True  # an agentspec-verifier: edge, server and server-ar
+    has_deployment: bool = False  # an OpenAI-compatible deployment of the target: the vllm mode
     hysteresis: float = 0.05
     probe_every: int = 8
     max_probe_every: int = 128
@@ -94,7 +96,9 @@ class ModePolicy:
 
     @property
     def modes(self) -> list[str]:
-        return (["edge"] if self.config.has_drafter else []) + ["server", "server-ar"]
+        c = self.config
+        own = (["edge"] if c.has_drafter else []) + ["server", "server-ar"] if c.has_verifier else []
+        return own + (["vllm"] if c.has_deployment else [])
 
     def _needs_probes(self, mode: str, kind: str) -> bool:
         """Whether ``mode``'s estimate only stays fresh by running it (no closed form from shared inputs)."""

@@ -210,6 +210,7 @@ def create_app(engine: VerifierEngine) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         _, req = await admit(request, Tokenize)
+        check_model(req.model)
         tok = engine.target.tokenizer
         if req.messages is not None:
             ids = engine.render(req.messages, req.tools, req.add_generation_prompt)

@@ -41,12 +41,14 @@ async def completion_events(engine: VerifierEngine, req: CompletionRequest, owne
     mode: Literal["server", "server-ar"] = "server" if engine.draft_model is not None else "server-ar"
     gen = Generate(base_len=info.committed_len, mode=mode, max_new_tokens=req.max_tokens or 16, sampling=sampling)
     decoder, stops = IncrementalDecoder(tok), StopStrings(req.stops)
-    n_completion, finish, offset = 0, "length", 0
+    n_completion, finish, offset, first = 0, "length", 0, True
 
-    def chunk(text: str, logprobs: dict[str, Any] | None = None, finish_reason: str | None = None
-              ) -> dict[str, Any]:
-        return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    def chunk(text: str, logprobs: dict[str, Any] | None = None, finish_reason: str | None = None,
+              token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if req.return_token_ids:  # vLLM's extension: each chunk's new token ids, the prompt's in the first
+            choice["token_ids"] = token_ids or []
+        return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
     rounds = engine.generate(session, gen)
     try:
@@ -60,8 +62,11 @@ async def completion_events(engine: VerifierEngine, req: CompletionRequest, owne
             logprobs = None
             if req.logprobs is not None:
                 logprobs, offset = _legacy_logprobs(reply, session.stop_token_ids, offset)
-            if text or logprobs:
-                yield chunk(text, logprobs)
+            if text or logprobs or (req.return_token_ids and reply.tokens):
+                out = chunk(text, logprobs, token_ids=list(reply.tokens))
+                if req.return_token_ids and first:
+                    out["choices"][0]["prompt_token_ids"], first = ids, False
+                yield out
             if stops.stopped or reply.finished:
                 finish = "stop" if stops.stopped else reply.finish_reason or "stop"
                 break
@@ -93,10 +98,11 @@ def _legacy_logprobs(reply: Any, stop_ids: frozenset[int], offset: int) -> tuple
 
 async def completion(engine: VerifierEngine, req: CompletionRequest, owner: str) -> dict[str, Any]:
     """The non-streaming response, aggregated from the same chunks."""
-    text, finish, usage, logprobs = "", "length", None, None
+    text, finish, usage, logprobs, token_ids = "", "length", None, None, []
     async for ch in completion_events(engine, req, owner):
         c = ch["choices"][0]
         text += c["text"]
+        token_ids += c.get("token_ids") or []
         finish = c["finish_reason"] or finish
         usage = ch.get("usage", usage)
         if c["logprobs"]:
@@ -105,9 +111,11 @@ async def completion(engine: VerifierEngine, req: CompletionRequest, owner: str)
                 logprobs[k] += v
     if req.logprobs is not None and logprobs is None:
         logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if req.return_token_ids:
+        choice["token_ids"] = token_ids
     return {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
-            "model": req.model or engine.config.served_model_name,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": usage}
+            "model": req.model or engine.config.served_model_name, "choices": [choice], "usage": usage}
 
 
 def stream_completion(engine: VerifierEngine, req: CompletionRequest, owner: str) -> AsyncIterator[bytes]:

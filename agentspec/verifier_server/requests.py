@@ -132,6 +132,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)  # the legacy API's default
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+    return_token_ids: bool = False  # vLLM's extension: the completion's token ids in each choice
     best_of: int | None = Field(None, ge=1, le=1)
     suffix: str | None = None
 
