@@ -50,6 +50,11 @@ NOT_RUN = {
     ("python3", "-m", "venv"): "creates a virtual environment (set-up by hand)",
     (".",): "activates a virtual environment in the user's shell",
     ("pip", "install"): "installs packages from PyPI",
+    ("make", "vllm"): "makes the vLLM venv (minutes, hundreds of MB)",
+    ("make", "test-vllm"): "starts vLLM servers (make test-vllm is its own suite)",
+    ("make", "bench-vllm"): "runs the vLLM benchmark for many minutes",
+    (".venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"): "starts a vLLM server (make test-vllm "
+                                                                         "does, in tests/integration/test_vllm_live.py)",
 }
 
 
@@ -147,6 +152,8 @@ def check_agentspec(argv: list[str]) -> None:
         from agentspec.demo import DemoConfig
 
         DemoConfig(**values)
+    elif args.command == "export":
+        assert args.source and args.out  # export's arguments are checked by its parser alone
     else:
         from agentspec.training.config import TrainConfig
 
