@@ -109,3 +109,26 @@ def test_vllm_mode_segments_equal_vllm_plain_greedy(plain, spec):
         assert final.tokens == ref, messages[-1]["content"][:80]
         assert {s.mode for s in final.stats.segments} == {"vllm"} and len(final.stats.segments) >= 2
     client.close()
+
+
+def test_a_drafter_saved_by_agentspec_train_loads_as_vllms_draft_model(plain, model_dir, tmp_path_factory):
+    """``agentspec train`` writes its drafter with ``save_drafter`` (a checkpoint directory, a reduced
+    vocabulary file beside it); vLLM loads that directory as its ``draft_model`` as it is. The drafter here
+    is the target's own weights saved that way (training one is minutes): outputs stay vLLM's plain ones,
+    and the drafts are accepted."""
+    import gc
+
+    from agentspec.models import load_model
+    from agentspec.training.distill import save_drafter
+
+    out = tmp_path_factory.mktemp("drafter")
+    loaded = load_model(str(model_dir), device="cpu", dtype="float32", pack_linears=False)
+    save_drafter(loaded.model, loaded.tokenizer, out, {"target": QWEN}, vocab=list(range(151936)))
+    del loaded
+    gc.collect()
+    speculative = {"method": "draft_model", "model": str(out), "num_speculative_tokens": 4}
+    with VllmServer(model_dir, served_name=QWEN, speculative=speculative) as srv:
+        for messages, tools in prompts()[:2]:
+            assert answer_of(srv.chat(messages, tools)) == answer_of(plain.chat(messages, tools))
+        counters = srv.spec_counters()
+    assert counters["num_draft_tokens"] > 0 and counters["num_accepted_tokens"] > 0.5 * counters["num_draft_tokens"]
