@@ -46,8 +46,9 @@ def agentspec_proposer(k: int = 8) -> dict[str, Any]:
 
 
 class VllmServer:
-    """vLLM's OpenAI server on ``model_dir`` (``vllm serve``'s arguments, hermes tool parser) with an optional ``speculative`` config;
-    ``cpus``: pinned there with ``taskset`` and vLLM's own OpenMP binding, as on a machine of its own."""
+    """vLLM's OpenAI server on ``model_dir`` (``vllm serve``'s arguments, hermes tool parser) with an optional
+    ``speculative`` config; ``cpus``: pinned there with ``taskset`` and vLLM's own OpenMP binding, as on a
+    machine of its own."""
 
     def __init__(self, model_dir: Path, *, served_name: str = "target", dtype: str = "float32",
                  speculative: dict[str, Any] | None = None, cpus: str | None = None, max_model_len: int = 4096,
@@ -81,7 +82,7 @@ class VllmServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.log_text()[-4000:]}")
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.failure_excerpt()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -89,11 +90,18 @@ class VllmServer:
                 pass
             if time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"vllm serve not ready after {timeout_s:.0f} s:\n{self.log_text()[-4000:]}")
+                raise RuntimeError(f"vllm serve not ready after {timeout_s:.0f} s:\n{self.failure_excerpt()}")
             time.sleep(1.0)
 
     def log_text(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
+
+    def failure_excerpt(self) -> str:
+        """What says why vLLM failed to start: the root-cause lines (a worker killed for memory, the first
+        error, the RAM vLLM saw), which its API server's own traceback pushes out of any tail, then the tail."""
+        lines = self.log_text().splitlines()
+        cause = [ln for ln in lines if re.search(r"died unexpectedly|Available RAM|Error:|ERROR(?!.*\[core\.py)", ln)]
+        return "\n".join(["root cause lines:", *cause[:20], f"log tail ({self.log.name}):", *lines[-25:]])
 
     def spec_counters(self) -> dict[str, float]:
         """vLLM's speculative-decoding totals from ``/metrics`` (``num_drafts``, ``num_draft_tokens``,
