@@ -23,20 +23,15 @@ import torch
 
 from agentspec.drafters.base import common_prefix
 from agentspec.drafters.grammar import ToolCallGrammar
+from agentspec.toolcalls import wants_constraint
 from agentspec.types import DraftProposal, SparseDist
+
+__all__ = ["Constraint", "ConstraintError", "wants_constraint"]
 
 
 class ConstraintError(ValueError):
     """The request's structure cannot be enforced (a schema the grammar engine refuses), or committed tokens
     break the grammar."""
-
-
-def wants_constraint(tools: Any, tool_choice: Any, response_format: Any) -> bool:
-    """Whether a request demands structure: a required/named ``tool_choice`` with tools, or a JSON
-    ``response_format`` (``json_object`` / ``json_schema``)."""
-    forced_call = bool(tools) and (tool_choice == "required" or isinstance(tool_choice, dict))
-    rf = response_format.get("type") if isinstance(response_format, dict) else None
-    return forced_call or rf in ("json_object", "json_schema")
 
 
 class Constraint:

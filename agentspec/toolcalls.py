@@ -153,6 +153,14 @@ class ToolCallParser:
         return [ParseEvent(text=buf)]
 
 
+def wants_constraint(tools: Any, tool_choice: Any, response_format: Any) -> bool:
+    """Whether a request demands structure: a required/named ``tool_choice`` with tools, or a JSON
+    ``response_format`` (``json_object`` / ``json_schema``)."""
+    forced_call = bool(tools) and (tool_choice == "required" or isinstance(tool_choice, dict))
+    rf = response_format.get("type") if isinstance(response_format, dict) else None
+    return forced_call or rf in ("json_object", "json_schema")
+
+
 def tool_choice_instruction(tool_choice: str | dict[str, Any] | None, single: bool = False) -> str | None:
     """The instruction asking the target for what an OpenAI-form ``tool_choice`` requires (``"required"``, or
     ``{"type": "function", "function": {"name": …}}``); ``single`` is ``parallel_tool_calls=False``."""

@@ -41,9 +41,11 @@ def check_api_kwargs(api_kwargs: dict[str, Any]) -> None:
                          "fallback_model, the request's messages, streaming with usage)")
 
 
-def api_request(run: Run, model: str, timeout: float, extra: dict[str, Any]) -> dict[str, Any]:
+def api_request(run: Run, model: str, timeout: float, extra: dict[str, Any], same_vocab: bool = False
+                ) -> dict[str, Any]:
     """litellm ``completion`` arguments for the rest of ``run``; ``extra`` (``api_kwargs``) comes last, so
-    it can override a computed value (e.g. ``temperature`` for a provider that rejects 0)."""
+    it can override a computed value (e.g. ``temperature`` for a provider that rejects 0). ``same_vocab``:
+    ``model`` is the target itself (a deployment of it), so ``logit_bias``'s token ids mean the same."""
     messages = list(run.messages)
     if run.text:  # continue the partial answer (the API model only sees committed text)
         messages.append({"role": "assistant", "content": run.text})
@@ -62,7 +64,9 @@ def api_request(run: Run, model: str, timeout: float, extra: dict[str, Any]) -> 
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(s, name):
             request[name] = getattr(s, name)
-    if s.logit_bias:  # ids of the target's vocabulary: they would mean other tokens to another model
+    if s.logit_bias and same_vocab:
+        request["logit_bias"] = {str(t): b for t, b in s.logit_bias}
+    elif s.logit_bias:  # ids of the target's vocabulary: they would mean other tokens to another model
         raise ValueError("logit_bias names the target's token ids and cannot be sent to the fallback model "
                          f"{model!r}, whose tokenizer differs; drop logit_bias or the API fallback")
     if s.logprobs is not None:
@@ -80,13 +84,15 @@ def api_request(run: Run, model: str, timeout: float, extra: dict[str, Any]) -> 
     return {**request, **extra}
 
 
-def api_segment(run: Run, model: str | None, timeout: float, extra: dict[str, Any]) -> Steps:
-    """The rest of ``run`` from the API model ``model``, streamed (``extra``: the client's ``api_kwargs``)."""
+def api_segment(run: Run, model: str | None, timeout: float, extra: dict[str, Any], mode: str = "api",
+                same_vocab: bool = False) -> Steps:
+    """The rest of ``run`` from the API model ``model``, streamed (``extra``: the client's ``api_kwargs``),
+    counted as a segment of ``mode``."""
     if model is None:
         raise ValueError("the API fallback needs a fallback_model (a litellm model id, e.g. 'openai/gpt-4o')")
-    litellm, request = litellm_module(), api_request(run, model, timeout, extra)
+    litellm, request = litellm_module(), api_request(run, model, timeout, extra, same_vocab)
     t0 = time.perf_counter()
-    seg = SegmentStats("api", 0, 1, 0, 0, 0.0, 0.0, 0.0, kind=run.kind)
+    seg = SegmentStats(mode, 0, 1, 0, 0, 0.0, 0.0, 0.0, kind=run.kind)
     run.stats.segments.append(seg)
     pending: dict[int, list[str]] = {}  # tool calls being streamed, by index: [id, name, arguments]
     finish, chunks = None, None

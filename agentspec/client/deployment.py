@@ -8,6 +8,9 @@ template, as every other mode uses the target's); each segment is ``POST /v1/com
 token ids as the prompt, streamed, with ``return_token_ids`` (vLLM's extension) so the client commits exactly
 the tokens it decoded. With prefix caching on (vLLM's default), a segment costs its new tokens, not a prefill.
 Tool calls and stop strings are parsed here from the committed text, as in the other modes.
+
+An answer that segments cannot carry (:func:`segment_refusal`: a grammar, penalties over the answer so
+far, chat-form logprobs) is one chat completion on the deployment instead, or runs in agentspec's modes.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from agentspec.client.api import api_segment
 from agentspec.client.events import SegmentStats
 from agentspec.client.ops import Call, Steps
 from agentspec.client.run import Run
-from agentspec.transport import HTTPTransport, VerifierUnavailable
+from agentspec.toolcalls import wants_constraint
+from agentspec.transport import HTTPTransport, VerifierUnavailable, verifier_base
 
 
 @dataclass(frozen=True)
@@ -40,11 +45,23 @@ class Deployment:
         return HTTPTransport(self.base_url, api_key=self.api_key, timeout=timeout, retries=retries)
 
 
+def segment_refusal(run: Run) -> str | None:
+    """Why ``run``'s answer cannot be decoded in segments (each a new request continuing the token ids);
+    None: it can. Such an answer runs on the deployment as one chat completion instead
+    (:func:`whole_answer`), or in agentspec's own modes."""
+    s = run.sampling
+    if wants_constraint(run.tools, run.tool_choice, run.response_format):
+        return "its tool_choice/response_format grammar would restart at every segment"
+    if s.presence_penalty or s.frequency_penalty:
+        return "presence/frequency penalties would not count the answer a segment sends as its prompt"
+    if s.logprobs is not None:
+        return "logprobs come in the chat form from a chat completion"
+    return None
+
+
 def completion_request(run: Run, model: str, max_new_tokens: int) -> dict[str, Any]:
     """The ``/v1/completions`` body of the next segment: the committed tokens as the prompt."""
     s = run.sampling
-    if s.logit_bias or s.logprobs is not None:
-        raise ValueError("the vllm mode does not carry logit_bias or logprobs; use an agentspec-verifier mode")
     body: dict[str, Any] = {"model": model, "prompt": list(run.tokens), "max_tokens": max_new_tokens,
                             "temperature": s.temperature, "stream": True, "return_token_ids": True}
     if s.top_p != 1.0:
@@ -53,11 +70,24 @@ def completion_request(run: Run, model: str, max_new_tokens: int) -> dict[str, A
         body["top_k"] = s.top_k
     if s.seed is not None:  # one seed per segment: the same request sampled again takes the same path
         body["seed"] = s.seed + run.generated
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(s, name):
-            raise ValueError(f"the vllm mode cannot apply {name} over an answer split into segments (the "
-                             "deployment sees the answer so far as prompt); use an agentspec-verifier mode")
+    if s.logit_bias:  # the same target, so the same vocabulary
+        body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
     return body
+
+
+def whole_answer(run: Run, dep: Deployment, timeout: float) -> Steps:
+    """``run``'s whole answer as one streamed chat completion on the deployment, with every argument of the
+    request (its structure enforced by the deployment's own structured outputs, as vLLM does for it)."""
+    assert not run.generated and not run.text, "a whole answer starts the answer"
+    extra = {"api_base": verifier_base(dep.base_url) + "/v1", "api_key": dep.api_key or "EMPTY"}
+    try:
+        yield from api_segment(run, f"hosted_vllm/{dep.model}", timeout, extra, mode="vllm", same_vocab=True)
+    except Exception as e:
+        status = getattr(e, "status_code", None)
+        if run.text or run.calls or (status is not None and status < 500):
+            raise  # a request the deployment refused, or an answer begun: the caller sees it as it is
+        raise VerifierUnavailable(f"deployment {dep.base_url} failed: {e}", status=status) from e
+    run.served_model = dep.model
 
 
 def deployment_segment(run: Run, dep: Deployment, transport: HTTPTransport, seg: SegmentStats,

@@ -49,6 +49,8 @@ class Run:
         self.max_draft_tokens = 16  # the verifier's cap on one round's draft (SessionInfo)
         self.parallel_tool_calls = True  # False: a constrained answer holds one tool call
         self.constraint: Any = None  # the client's copy of that grammar (edge drafts respect it); False: none
+        self.excluded: frozenset[str] = frozenset()  # modes the router must not pick for this answer
+        self.whole: str | None = None  # why the vllm mode decodes this answer as one chat completion
 
     @property
     def generated(self) -> int:

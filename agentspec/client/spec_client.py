@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 from agentspec.client.api import api_segment, check_api_kwargs
-from agentspec.client.deployment import Deployment, deployment_segment
+from agentspec.client.deployment import Deployment, deployment_segment, segment_refusal, whole_answer
 from agentspec.client.edge import EdgeDrafting
 from agentspec.client.events import FinalEvent, PreviewEvent, SegmentStats, TextEvent, ToolCallEvent
 from agentspec.client.health import VerifierHealth
@@ -162,7 +162,7 @@ class SpecClient:
     def _steps(self, run: Run) -> Steps:
         """Segments in the modes picked for them until the request is finished; then the parser's rest."""
         while run.finish is None and run.generated < run.max_tokens:
-            mode = run.mode if run.mode != "auto" else self.policy.choose(kind=run.kind)
+            mode = run.mode if run.mode != "auto" else self.policy.choose(kind=run.kind, exclude=run.excluded)
             try:
                 if mode == "api":
                     yield from api_segment(run, self.fallback_model, self.timeout, self.api_kwargs)
@@ -181,6 +181,9 @@ class SpecClient:
 
     def _deployment_segment(self, run: Run) -> Steps:
         assert self.deployment is not None and self._deployment is not None
+        if run.whole:
+            yield from whole_answer(run, self.deployment, self.timeout)
+            return
         seg, t0 = self._segment(run, "vllm"), time.perf_counter()
         try:
             yield from deployment_segment(run, self.deployment, self._deployment, seg,
@@ -314,6 +317,8 @@ class SpecClient:
         drafter = self.tool_drafter if structured and self.tool_drafter else self.drafter
         run = Run(list(messages), tools, max_tokens, sampling or SamplingParams(), stop, mode, drafter, tool_choice,
                   response_format, model)
+        if self.deployment is not None:
+            self._fit_deployment(run, mode)
         if not self.transports:
             run.mode = "api" if mode == "api" or self.deployment is None else "vllm"
             return run
@@ -322,6 +327,23 @@ class SpecClient:
             run.mode = "api"  # every verifier is backing off: do not pay a failed connect per request
         run.verifier = first if first is not None else self.health.soonest()
         return run
+
+    def _fit_deployment(self, run: Run, mode: str) -> None:
+        """How the deployment takes ``run`` (a ``mode`` that may reach it): in segments, as one chat
+        completion (an answer segments cannot carry), or not at all when the router has agentspec's modes."""
+        assert self.deployment is not None
+        if mode not in ("auto", "vllm"):
+            return
+        wrong_model = run.model is not None and run.model != self.deployment.model
+        refusal = segment_refusal(run)
+        if self.transports and mode == "auto":
+            if wrong_model or refusal is not None:
+                run.excluded = frozenset({"vllm"})  # agentspec's modes carry it, segment by segment
+        elif wrong_model:
+            raise ValueError(f"the vllm mode cannot serve model {run.model!r}: the deployment serves "
+                             f"{self.deployment.model!r}")
+        else:
+            run.whole = refusal
 
     def _logged(self, run: Run, final: FinalEvent) -> FinalEvent:
         """Log the request and its answer to ``log_path`` (when set); remember the answer for copy drafting."""

@@ -105,14 +105,18 @@ class ModePolicy:
         judged_unrun = mode == "server-ar" or mode in self.config.shadowed
         return not judged_unrun or self.closed_form(mode, kind=kind) is None
 
-    def choose(self, kind: str = "text") -> str:
-        """The mode for the next segment; ``kind``: what the segment starts in (``"tool"`` or ``"text"``)."""
+    def choose(self, kind: str = "text", exclude: frozenset[str] = frozenset()) -> str:
+        """The mode for the next segment; ``kind``: what the segment starts in (``"tool"`` or ``"text"``);
+        ``exclude``: modes this request cannot run in (never all of them)."""
         c = self.config
         self.segments += 1
-        untried = [m for m in self.modes if m not in self.seconds_per_token]
-        predicted = {m: self.predicted(m, kind) for m in self.modes}
+        modes = [m for m in self.modes if m not in exclude]
+        if not modes:
+            raise ValueError(f"every mode of {self.modes} is excluded for this request")
+        untried = [m for m in modes if m not in self.seconds_per_token]
+        predicted = {m: self.predicted(m, kind) for m in modes}
         self.last_predictions = {m: s * 1e3 for m, s in predicted.items()}
-        due = [m for m in self.modes if m != self.current and self._needs_probes(m, kind)
+        due = [m for m in modes if m != self.current and self._needs_probes(m, kind)
                and self.segments - self.last_used.get(m, 0) >= self.probe_interval.get(m, c.probe_every)]
         if self.segments - self.last_probe < c.probe_every:
             due = []  # at most one probe every probe_every segments, whatever the number of modes
@@ -123,7 +127,7 @@ class ModePolicy:
             pick = self.probing = min(due, key=lambda m: self.last_used.get(m, -1))
             self.last_probe = self.segments
         else:
-            pick = min(self.modes, key=predicted.__getitem__)
+            pick = min(modes, key=predicted.__getitem__)
             if self.current in predicted and predicted[pick] > (1 - c.hysteresis) * predicted[self.current]:
                 pick = self.current
             self.current = pick

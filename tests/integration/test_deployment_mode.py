@@ -7,17 +7,24 @@ verifier's own modes mid-answer; a deployment that dies mid-request hands the re
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from agentspec.client import Deployment, FinalEvent, SpecClient, TextEvent
 from agentspec.drafters import ModelDrafter
 from agentspec.router import ModeConfig, ModePolicy
+from agentspec.types import SamplingParams
 from tests.helpers import plain_greedy
 from tests.integration.server import LoopbackServer, config
 
 pytestmark = pytest.mark.integration
 MESSAGES = [{"role": "user", "content": "tell me about tools"}]
 MAX = 40
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+RF = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +95,80 @@ def test_bad_configuration_is_refused(deployment_server):
     with pytest.raises(ValueError, match="model"):
         Deployment("http://localhost:8000", "")
     client = SpecClient(deployment=Deployment(deployment_server.url, "tiny-deployment"))
-    from agentspec.types import SamplingParams
+    with pytest.raises(ValueError, match="deployment serves 'tiny-deployment'"):
+        client.generate(MESSAGES, max_tokens=4, model="another-model")
+    client.close()
 
-    with pytest.raises(ValueError, match="presence_penalty"):
-        client.generate(MESSAGES, max_tokens=4, sampling=SamplingParams(presence_penalty=0.5))
+
+def reference_of(verifier, **request) -> FinalEvent:
+    """The verifier's own plain decoding of a request (its grammar, penalties and logprobs applied)."""
+    client = SpecClient(verifier.url, mode="server-ar")
+    final = client.generate(MESSAGES, max_tokens=MAX, **request)
+    client.close()
+    return final
+
+
+CHAT_REQUESTS = {  # SpecClient's arguments, and the same request in OpenAI's form
+    "json_schema": ({"response_format": RF}, {"response_format": RF}),
+    "named_tool": ({"tools": TOOLS, "tool_choice": NAMED}, {"tools": TOOLS, "tool_choice": NAMED}),
+    "penalties": ({"sampling": SamplingParams(presence_penalty=1.2, frequency_penalty=0.8)},
+                  {"presence_penalty": 1.2, "frequency_penalty": 0.8}),
+    "logprobs": ({"sampling": SamplingParams(logprobs=2)}, {"logprobs": True, "top_logprobs": 2}),
+}
+
+
+@pytest.mark.parametrize("case", CHAT_REQUESTS)
+def test_answers_segments_cannot_carry_are_one_chat_completion(deployment_server, case):
+    """A grammar restarts and penalties forget the answer when each segment is a new request: such an
+    answer is one chat completion on the deployment, with every argument: the deployment's own answer."""
+    request_, openai_form = CHAT_REQUESTS[case]
+    body = {"model": "tiny-deployment", "messages": MESSAGES, "max_tokens": MAX, "temperature": 0.0, **openai_form}
+    want = httpx.post(deployment_server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    client = SpecClient(deployment=Deployment(deployment_server.url, "tiny-deployment"), segment_tokens=4)
+    final = client.generate(MESSAGES, max_tokens=MAX, **request_)
+    assert (final.text or None) == want["message"]["content"] and final.finish_reason == want["finish_reason"]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in want["message"].get("tool_calls") or ()]
+    assert [(c.name, c.arguments) for c in final.tool_calls] == calls
+    assert [s.mode for s in final.stats.segments] == ["vllm"] and final.model == "tiny-deployment"
+    if case == "named_tool":  # the grammar went along: a random tiny target starts a call
+        assert final.text.startswith("<tool_call>") or final.tool_calls, final.text
+    if case == "logprobs":
+        entries = want["logprobs"]["content"]
+        assert [e["token"] for e in final.logprobs] == [e["token"] for e in entries] and entries
+        assert [e["logprob"] for e in final.logprobs] == pytest.approx([e["logprob"] for e in entries], abs=1e-5)
+    client.close()
+
+
+def test_logit_bias_goes_along_with_every_segment(verifier, deployment_server):
+    plain = reference_of(verifier)
+    bias = SamplingParams(logit_bias={plain.tokens[0]: -100.0})  # the plain answer's first token, banned
+    want = reference_of(verifier, sampling=bias)
+    assert want.tokens[0] != plain.tokens[0]
+    client = SpecClient(deployment=Deployment(deployment_server.url, "tiny-deployment"), segment_tokens=4)
+    final = client.generate(MESSAGES, max_tokens=MAX, sampling=bias)
+    assert final.tokens == want.tokens and len(final.stats.segments) >= 2
+    assert {s.mode for s in final.stats.segments} == {"vllm"}
+    client.close()
+
+
+def test_auto_keeps_what_segments_cannot_carry_on_the_verifier(verifier, deployment_server, target):
+    client = SpecClient(verifier.url, drafter=ModelDrafter(target), tokenizer=target.tokenizer, segment_tokens=4,
+                        deployment=Deployment(deployment_server.url, "tiny-deployment"),
+                        policy=ModePolicy(ModeConfig(probe_every=1)))
+    final = client.generate(MESSAGES, max_tokens=MAX, response_format=RF)
+    assert final.text == reference_of(verifier, response_format=RF).text
+    assert "vllm" not in {s.mode for s in final.stats.segments}
+    client.close()
+
+
+def test_a_whole_answer_whose_deployment_is_down_goes_to_the_verifier(verifier, target):
+    dead = LoopbackServer(target, config(served_model_name="doomed"))
+    dead.__enter__()
+    dead.__exit__(None, None, None)  # the port is closed: a connection refused, before any text
+    client = SpecClient(verifier.url, deployment=Deployment(dead.url, "doomed"), mode="vllm", retries=0, timeout=5)
+    final = client.generate(MESSAGES, max_tokens=MAX, response_format=RF)
+    assert final.text == reference_of(verifier, response_format=RF).text
+    assert [s.mode for s in final.stats.segments][-1] == "server" and final.stats.fallbacks
     client.close()
 
 
