@@ -96,8 +96,13 @@ class VerifierEngine:
                     sessions=self.store.num_open(), kv_cache_bytes=self.store.used_bytes,
                     kv_cache_capacity_bytes=self.config.kv_cache_memory)
 
-    async def run_on_model(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def run_on_model(self, fn: Callable[..., Any], *args: Any, background: bool = False) -> Any:
+        """``fn(*args)`` on the model thread. ``background``: a long prefill's later chunk, which lets the
+        other jobs (rounds, short prefills) go first (:meth:`BatchScheduler.yield_to_others`)."""
+        if background:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        with self.scheduler.foreground_job():
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # -- sessions ----------------------------------------------------------------------------------
 
@@ -167,11 +172,11 @@ class VerifierEngine:
         try:
             first = True
             while len(ids) - 1 > session.num_cached:
-                if not first:  # other sessions' rounds go first, for up to a few chunks' time
-                    await self.scheduler.yield_to_rounds(session.id, max(3 * self._chunk_s, 0.05))
-                t0, first = time.perf_counter(), False
-                await self.run_on_model(self._prefill_chunk, session, ids)
-                self._chunk_s = time.perf_counter() - t0
+                if not first:  # other requests' model jobs go first, for up to a few chunks' time
+                    await self.scheduler.yield_to_others(session.id, max(3 * self._chunk_s, 0.05))
+                t0 = time.perf_counter()
+                await self.run_on_model(self._prefill_chunk, session, ids, background=not first)
+                self._chunk_s, first = time.perf_counter() - t0, False
             await self.run_on_model(self.store.update_size, session)
             self.scheduler.touch(session.id)
         except BaseException:

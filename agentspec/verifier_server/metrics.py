@@ -289,16 +289,16 @@ def track_model_jobs(engine: Any) -> None:
     ``engine.run_on_model``; batched rounds are marked by the scheduler when their pass starts."""
     inner = engine.run_on_model
 
-    async def run_on_model(fn: Any, *args: Any) -> Any:
+    async def run_on_model(fn: Any, *args: Any, **kw: Any) -> Any:
         rec = CURRENT.get()
         if rec is None or rec.state != "waiting" or fn == engine.execute:
-            return await inner(fn, *args)
+            return await inner(fn, *args, **kw)
         loop = asyncio.get_running_loop()
 
         def job(*a: Any) -> Any:
             loop.call_soon_threadsafe(rec.started)  # the counters belong to the event loop thread
             return fn(*a)
 
-        return await inner(job, *args)
+        return await inner(job, *args, **kw)
 
     engine.run_on_model = run_on_model

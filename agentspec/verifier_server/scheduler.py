@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import contextvars
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ class BatchScheduler:
         self.running = 0
         self._recent: dict[str, float] = {}  # session id -> last submit time
         self._pass_s = 0.0  # EMA of one model pass (sets how long waiting for company may take)
+        self._jobs, self._job_ended = 0, 0.0  # foreground model-thread jobs now; when the last one ended
 
     def _active(self, horizon_s: float = 0.25) -> set[str]:
         """Sessions that submitted a round or got a reply lately (their clients are likely to send the next
@@ -68,13 +70,27 @@ class BatchScheduler:
         """Mark a session active now (its prefill just ended: its first round is on its way)."""
         self._recent[session_id] = time.perf_counter()
 
-    async def yield_to_rounds(self, own: str, max_wait_s: float, quiet_s: float = 0.02) -> None:
-        """Wait, at most ``max_wait_s``, while other sessions have rounds queued or were active within
-        ``quiet_s`` (their next round is on its way): a long prefill's next chunk then goes after them, so a
-        short request waits about one chunk in all, not one per step of its own."""
+    @contextlib.contextmanager
+    def foreground_job(self) -> Iterator[None]:
+        """Count a model-thread job a long prefill's next chunk waits for (a batch of rounds, a short
+        prefill, a session's creation): queued or running now, or ended just now (its request's next job
+        is on its way)."""
+        self._jobs += 1
+        try:
+            yield
+        finally:
+            self._jobs -= 1
+            self._job_ended = time.perf_counter()
+
+    async def yield_to_others(self, own: str, max_wait_s: float, quiet_s: float = 0.02) -> None:
+        """Wait, at most ``max_wait_s``, while other requests have model jobs queued or running, or had one
+        end (or a round reply) within ``quiet_s``: a long prefill's next chunk then goes after them, so a
+        short request waits about one chunk in all, not one per step of its own (tokenize, create, prefill,
+        each round)."""
         deadline = time.perf_counter() + max_wait_s
         while (now := time.perf_counter()) < deadline:
-            if not self._queue and not any(sid != own and now - t < quiet_s for sid, t in self._recent.items()):
+            busy = self._jobs or self._queue or now - self._job_ended < quiet_s
+            if not busy and not any(sid != own and now - t < quiet_s for sid, t in self._recent.items()):
                 return
             await asyncio.sleep(0.002)
 

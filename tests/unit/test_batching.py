@@ -184,6 +184,52 @@ def test_a_short_round_runs_between_a_long_prompts_prefill_chunks(target):
     assert o.reply.tokens == plain_greedy(target, long_prompt, 1)
 
 
+def test_a_new_short_request_runs_all_its_steps_within_one_long_chunk(target):
+    """Head-of-line for a request that starts during a long prefill: its session's creation, its own short
+    prefill and its round are each a model job, and the long prefill's next chunk waits for all of them, so
+    at most the chunk already running lies between its first step and its last (not one chunk per step)."""
+    engine = VerifierEngine(target, ServerConfig(prefill_chunk_tokens=8, max_model_len=1024))
+    owner = key_owner(None)
+    short, long_prompt = make_prompt(5, 8), make_prompt(6, 600)  # short: a prefill of one chunk
+    jobs: list[str] = []
+    chunk, execute, create = engine._prefill_chunk, engine.execute, engine.store.create
+    long_ids: set[str] = set()
+
+    def chunk_job(session, ids):
+        jobs.append("long" if session.id in long_ids else "short-prefill")
+        return chunk(session, ids)
+
+    def execute_job(*a):
+        jobs.append("round")
+        return execute(*a)
+
+    def create_job(owner_, ids, *a):
+        session, reused = create(owner_, ids, *a)
+        if len(ids) == len(long_prompt):
+            long_ids.add(session.id)
+        else:
+            jobs.append("create")
+        return session, reused
+
+    engine._prefill_chunk, engine.execute, engine.store.create = chunk_job, execute_job, create_job
+
+    async def scenario():
+        prefill = asyncio.ensure_future(engine._create_and_prefill(owner, long_prompt, 4, frozenset({EOS})))
+        while jobs.count("long") < 3:
+            await asyncio.sleep(0.001)
+        s, _ = await engine._create_and_prefill(owner, short, 4, frozenset({EOS}))
+        reply = await engine.scheduler.submit(RoundItem(s, DraftProposal(), Sampling()))
+        long_session, _ = await prefill
+        return reply, long_session
+
+    reply, long_session = asyncio.run(scenario())
+    mine = [i for i, j in enumerate(jobs) if j != "long"]
+    assert [jobs[i] for i in mine] == ["create", "short-prefill", "round"], jobs
+    assert jobs[mine[0]:mine[-1]].count("long") <= 1, jobs[mine[0] - 1:mine[-1] + 2]
+    assert reply.tokens == plain_greedy(target, short, 1)
+    assert long_session.num_cached == len(long_prompt) - 1
+
+
 @pytest.mark.parametrize("stage", ["forward", "commit", "after_commit"])
 def test_a_round_failing_halfway_leaves_the_session_exactly_as_it_was(target, stage, monkeypatch):
     """A sampled edge round with new_tokens failing in the pass or in its commit (after verification drew
