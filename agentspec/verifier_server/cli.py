@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agentspec.cli import version
 from agentspec.verifier_server.config import ServerConfig, add_config_flags, config_from_flags, env
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config.api_keys:
         log.warning("no API key set: anyone who can reach %s:%d can use this verifier and its sessions; "
                     "set --api-key-file or AGENTSPEC_API_KEY", args.host, args.port)
-    raise_fd_limit(args.config.max_connections)
+    if (fits := raise_fd_limit(args.config.max_connections)) < args.config.max_connections:
+        args = replace(args, config=replace(args.config, max_connections=fits))
     logging.getLogger("asyncio").addFilter(RepeatFilter())
     import uvicorn
 
@@ -162,13 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def raise_fd_limit(connections: int) -> None:
+# descriptors kept beyond the connection cap: the server's own (model files, logs, pipes, the event loop) and
+# one accept batch (config.ACCEPT_BATCH) taken before the protocols beyond the cap close theirs
+FD_RESERVE = 128
+
+
+def raise_fd_limit(connections: int) -> int:
     """Raise the soft open-file limit to the hard one: each connection holds a descriptor, and running out
-    makes the accept loop fail (and log) on every new connection. Warn if it still cannot hold them all."""
+    makes the accept loop fail on every new connection, a client that connects then waits for nothing.
+    Returns the connection cap that fits the limit: ``connections``, or fewer (with a warning)."""
     try:
         import resource
     except ImportError:  # not on this platform (Windows)
-        return
+        return connections
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         try:
@@ -176,9 +183,12 @@ def raise_fd_limit(connections: int) -> None:
             soft = hard
         except (ValueError, OSError):
             pass
-    if soft != resource.RLIM_INFINITY and soft < connections + 64:
-        log.warning("the open-file limit (%d) is below --max-connections %d plus the server's own files; "
-                    "raise it (ulimit -n) or lower --max-connections", soft, connections)
+    if soft == resource.RLIM_INFINITY or soft >= connections + FD_RESERVE:
+        return connections
+    fits = max(1, soft - FD_RESERVE)
+    log.warning("the open-file limit (%d) cannot hold --max-connections %d plus the server's own files: "
+                "serving at most %d connections; raise it (ulimit -n) to serve more", soft, connections, fits)
+    return fits
 
 
 class RepeatFilter(logging.Filter):

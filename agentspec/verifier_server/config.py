@@ -56,6 +56,9 @@ def _flag(help: str, type: Callable[[str], Any] = POSITIVE_INT, name: str | None
     return {"help": help, "type": type, "name": name, "scale": scale}
 
 
+ACCEPT_BATCH = 64  # the listen backlog, and so the most connections accepted in one go
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Limits and knobs of one verifier (the CLI's flags; the fields with metadata are generated as flags)."""
@@ -101,8 +104,11 @@ class ServerConfig:
         """The HTTP server's settings these limits imply (the CLI and :class:`LocalVerifier` share them)."""
         from agentspec.verifier_server.http import header_deadline_protocol
 
+        # backlog: also how many connections one wake-up of the accept loop takes before their protocols
+        # run (and close those beyond the cap); uvicorn's 2048 could take a flood's whole queue at once
+        # and run out of descriptors (cli.FD_RESERVE leaves room for one such batch)
         return {"timeout_keep_alive": int(math.ceil(self.keep_alive_s)), "limit_concurrency": self.max_connections,
-                "http": header_deadline_protocol(self.header_timeout_s)}
+                "http": header_deadline_protocol(self.header_timeout_s), "backlog": ACCEPT_BATCH}
 
     @property
     def served_names(self) -> tuple[str, ...]:

@@ -1,7 +1,11 @@
 """uvicorn's h11 protocol with a deadline on request headers: a client that opens a connection and then
 sends its headers slowly (slowloris) or not at all is answered 408 and disconnected, instead of holding a
 connection slot forever. Bodies have their own deadline (``--body-timeout``, in the app); idle keep-alive
-connections between requests are uvicorn's ``timeout_keep_alive``."""
+connections between requests are uvicorn's ``timeout_keep_alive``.
+
+A connection beyond ``--max-connections`` is answered 503 and closed as soon as it is accepted: idle
+connections opened by the hundred then hold no file descriptor beyond the cap, so they cannot exhaust the
+process's open-file limit (which the CLI keeps above the cap) and stop it accepting anyone."""
 
 from __future__ import annotations
 
@@ -16,6 +20,10 @@ _BODY = json.dumps({"error": {"message": "the request headers did not arrive in 
                               "type": "timeout_error", "param": None, "code": "request_timeout"}}).encode()
 _408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
         b"content-length: %d\r\n\r\n" % len(_BODY)) + _BODY
+_BUSY = json.dumps({"error": {"message": "too many connections (--max-connections); retry shortly",
+                              "type": "server_busy", "param": None, "code": "too_many_connections"}}).encode()
+_503 = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"retry-after: 1\r\ncontent-length: %d\r\n\r\n" % len(_BUSY)) + _BUSY
 
 
 class HeaderDeadlineProtocol(H11Protocol):
@@ -26,7 +34,12 @@ class HeaderDeadlineProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._header_timer: asyncio.TimerHandle | None = self.loop.call_later(self.header_timeout_s, self._late)
+        self._header_timer: asyncio.TimerHandle | None = None
+        if self.limit_concurrency is not None and len(self.connections) > self.limit_concurrency:
+            transport.write(_503)  # beyond the cap: free its descriptor now, not at the header deadline
+            transport.close()
+            return
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._late)
 
     def data_received(self, data: bytes) -> None:
         if self._header_timer is None and self.conn.their_state is h11.IDLE:  # a new request starts

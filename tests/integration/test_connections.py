@@ -44,6 +44,25 @@ def test_connections_beyond_the_cap_get_a_503(target):
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
 
 
+def test_idle_connections_beyond_the_cap_are_answered_and_closed_at_once(target):
+    """A flood of idle connections holds no descriptor beyond the cap: each one past it gets a 503 and is
+    closed on accept, not at the header deadline, and the server serves again once the flood ends."""
+    with LoopbackServer(target, config(max_connections=3, header_timeout_s=30)) as srv:
+        idle = [_connect(srv.url) for _ in range(3)]
+        time.sleep(0.2)
+        flood = [_connect(srv.url) for _ in range(20)]
+        t0 = time.monotonic()
+        replies = [s.recv(4096).decode() for s in flood]
+        assert all(r.startswith("HTTP/1.1 503") and "--max-connections" in r for r in replies), replies[:2]
+        assert time.monotonic() - t0 < 5  # answered on accept (the header deadline is 30 s)
+        assert all(s.recv(1) == b"" for s in flood)  # and closed by the server
+        assert len(srv.server.server_state.connections) <= 3
+        for s in idle + flood:
+            s.close()
+        time.sleep(0.2)
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+
+
 def _generated(srv) -> float:
     text = httpx.get(srv.url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

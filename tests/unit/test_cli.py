@@ -162,3 +162,15 @@ def test_fd_limit_is_raised_to_the_hard_limit():
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_connection_cap_above_the_fd_limit_is_lowered_to_fit():
+    """With the hard limit at 256, ``--max-connections 1024`` cannot be held: the cap becomes what fits
+    beside the server's own descriptors (in a subprocess: a lowered hard limit cannot be raised again)."""
+    pytest.importorskip("resource", reason="no rlimits on this platform")
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+            "from agentspec.verifier_server.cli import FD_RESERVE, raise_fd_limit; "
+            "print(raise_fd_limit(1024), raise_fd_limit(100), FD_RESERVE)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    fits, small, reserve = map(int, out.stdout.split())
+    assert (fits, small) == (256 - reserve, 100) and "serving at most" in out.stderr
