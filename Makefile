@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test lint bench gpu-check vllm vllm-suffix test-vllm bench-vllm
+.PHONY: install demo test lint bench gpu-check reliability-short vllm vllm-suffix test-vllm bench-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -61,6 +61,9 @@ $(VLLM_VENV)/.suffix: $(VLLM_VENV)/.installed
 	touch $@
 
 vllm-suffix: $(VLLM_VENV)/.suffix
+
+reliability-short: install
+	$(BIN)/python -m benchmarks.reliability --short --check
 
 test-vllm: install vllm
 	AGENTSPEC_VLLM=1 $(BIN)/python -m pytest -q -m vllm tests/integration

@@ -199,8 +199,9 @@ class VerifierProcess:
     """An ``agentspec-verifier`` subprocess on 127.0.0.1:``port``, pinned to ``SERVER_CPU``."""
 
     def __init__(self, model_dir: Path, port: int | None = None, args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
-        self.model_dir, self.port, self.args = model_dir, port or free_port(), args
+                 env: dict[str, str] | None = None, fd_limit: int | None = None) -> None:
+        """``fd_limit``: the process's open-file limit, soft and hard (None: this process's)."""
+        self.model_dir, self.port, self.args, self.fd_limit = model_dir, port or free_port(), args, fd_limit
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.pinned = "not started"
@@ -214,11 +215,17 @@ class VerifierProcess:
         exe = shutil.which("agentspec-verifier", path=str(Path(sys.executable).parent)) or "agentspec-verifier"
         cmd = [exe, str(self.model_dir), "--port", str(self.port), "--dtype", "float32", "--device", "cpu",
                "--served-model-name", "tiny", "--log-stats-interval", "0", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     preexec_fn=None if self.fd_limit is None else self._limit_fds)
         self.pinned = pin(self.proc.pid, SERVER_CPU)
         if wait:
             self.wait_ready()
         return self
+
+    def _limit_fds(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.fd_limit, self.fd_limit))
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

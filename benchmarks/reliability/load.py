@@ -155,6 +155,46 @@ def slow_clients(root: Path, target, body_timeout_s: float = 2.0, max_connection
     return out
 
 
+def fd_exhaustion(root: Path, target, fd_limit: int = 256, idle: int = 300) -> dict[str, Any]:
+    """A verifier whose open-file limit is ``fd_limit`` (soft and hard) and ``idle`` connections opened and
+    left silent: a new client must still be answered at once (a 503 while the flood lasts), the server's
+    log must not fill with failed accepts, and it must serve normally once the flood ends."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # this process holds the idle connections
+    srv = VerifierProcess(save_model(target, root), fd_limit=fd_limit)
+    srv.start()
+    out: dict[str, Any] = {"fd_limit": fd_limit, "idle_connections": idle, "pinned": srv.pinned}
+    try:
+        held = [_raw(srv.port, b"") for _ in range(idle)]
+        time.sleep(1.0)
+        t = time.monotonic()
+        try:
+            out["new_client_status"] = httpx.get(srv.url + "/health", timeout=10).status_code
+        except httpx.HTTPError as e:
+            out["new_client_status"] = repr(e)[:80]
+        out["new_client_answer_s"] = round(time.monotonic() - t, 3)
+        for s in held:
+            s.close()
+        time.sleep(0.5)
+        with client(srv.url) as c:
+            out["after_flood_text"] = chat(c, [{"role": "user", "content": "x"}], 4, stream=False)
+        log_text = Path(srv.log.name).read_text()
+        out["too_many_open_files_log_lines"] = log_text.count("Too many open files")
+        out["cap_lowered_warning"] = "serving at most" in log_text
+        out["server_alive"] = srv.proc.poll() is None
+    finally:
+        srv.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    out["ok"] = (isinstance(out["new_client_status"], int) and out["new_client_answer_s"] < 2.0
+                 and out["too_many_open_files_log_lines"] == 0 and out["server_alive"])
+    log(f"fd exhaustion: limit {fd_limit}, {idle} idle connections: a new client got "
+        f"{out['new_client_status']} in {out['new_client_answer_s']} s; 'Too many open files' logged "
+        f"{out['too_many_open_files_log_lines']} times; served after: {out['server_alive']}")
+    return out
+
+
 def soak(root: Path, target, clients: int, duration_s: float, sample_s: float = 10.0) -> dict[str, Any]:
     model_dir = save_model(target, root)
     srv = VerifierProcess(model_dir)

@@ -4,12 +4,14 @@
   ``/generate`` and chat; B must see no error, output identical to its reference, and keep its idle session;
 * rollback: faults injected inside a round (before the forward pass, after it, in commit before and after
   it wrote, in server drafting, a refused request after ``new_tokens``, a client gone mid-stream, a bad
-  sampled draft); afterwards the session must continue exactly as a fresh reference does — greedy and
-  seeded-sampled (the RNG must be put back too).
+  sampled draft); afterwards the session must continue exactly as a fresh reference does — greedy,
+  seeded-sampled (the RNG must be put back too) and a JSON-schema answer in server mode (the grammar's
+  state, the copy index and the drafters' caches too).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from contextlib import contextmanager
@@ -215,6 +217,59 @@ def _sampled_fault(c: httpx.Client, stage: str, prompt: list[int]) -> dict[str, 
     return {"identical": run(True) == ref}
 
 
+CITY = {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+    "type": "object", "properties": {"city": {"type": "string"}, "size": {"type": "integer"}},
+    "required": ["city", "size"]}}}
+
+
+def _generate_lines(c: httpx.Client, sid: str, base_len: int) -> tuple[list[int], bool, bool]:
+    """One server-mode ``/generate`` of up to 6 tokens: the tokens its rounds committed (an error line
+    ends it), whether the session ended, and whether it failed."""
+    tokens, ended = [], False
+    with c.stream("POST", f"/v1/spec/sessions/{sid}/generate",
+                  json={"base_len": base_len, "mode": "server", "max_new_tokens": 6}) as r:
+        if r.status_code != 200:
+            return tokens, ended, True
+        for line in r.iter_lines():
+            msg = json.loads(line) if line else {}
+            if "error" in msg:
+                return tokens, ended, True
+            tokens += msg.get("tokens", [])
+            ended = ended or bool(msg.get("session_finished"))
+    return tokens, ended, False
+
+
+def _constrained_fault(c: httpx.Client, stage: str, prompt: list[int]) -> dict[str, Any]:
+    """A JSON-schema answer in server mode (the server's grammar and copy drafts, jump-forward) with a
+    fault in its third ``/generate``: it must give the fault-free session's answer, so the grammar's state,
+    the copy index and the drafters' caches went back with the failed round."""
+    failed: list[bool] = []
+
+    def run(fault: bool) -> list[int]:
+        r = c.post("/v1/spec/sessions", json={"prompt_ids": prompt, "max_new_tokens": 60, "response_format": CITY})
+        r.raise_for_status()
+        sid, tokens = r.json()["session_id"], []
+        for n in range(40):
+            if fault and n == 2:
+                obj, name, before = STAGES[stage]
+                with patched(obj, name, lambda f, b=before: once(f, b)):
+                    got, ended, error = _generate_lines(c, sid, len(prompt) + len(tokens))
+                failed.append(error)
+            else:
+                got, ended, _ = _generate_lines(c, sid, len(prompt) + len(tokens))
+            tokens += got
+            committed = c.get(f"/v1/spec/sessions/{sid}").json()["committed_len"]
+            if committed != len(prompt) + len(tokens):  # a failed round left tokens the client never saw
+                return [-1, *tokens]
+            if ended:
+                break
+        c.delete(f"/v1/spec/sessions/{sid}")
+        return tokens
+    ref = run(False)
+    same = run(True) == ref
+    return {"identical": same and failed == [True], "fault_fired": failed == [True], "answer_tokens": len(ref)}
+
+
 def rollback(target) -> dict[str, Any]:
     stages = [*STAGES, "server drafting raises", "400 after new_tokens", "bad sampled draft (q nan)",
               "top_p 1e-300 sampled round", "client gone mid-generate"]
@@ -226,10 +281,11 @@ def rollback(target) -> dict[str, Any]:
             except Exception as e:
                 results[f"greedy: {stage}"] = {"identical": False, "error": repr(e)[:300]}
         for i, stage in enumerate(STAGES):
-            try:
-                results[f"sampled: {stage}"] = _sampled_fault(c, stage, make_prompt(80 + i, 30))
-            except Exception as e:
-                results[f"sampled: {stage}"] = {"identical": False, "error": repr(e)[:300]}
+            for kind, fault in (("sampled", _sampled_fault), ("constrained server mode", _constrained_fault)):
+                try:
+                    results[f"{kind}: {stage}"] = fault(c, stage, make_prompt(80 + i, 30))
+                except Exception as e:
+                    results[f"{kind}: {stage}"] = {"identical": False, "error": repr(e)[:300]}
     bad = [k for k, v in results.items() if not v["identical"]]
     log(f"rollback: {len(results)} faults, not rolled back {len(bad)} {bad}")
     return {"faults": len(results), "not_rolled_back": len(bad), "failing": bad, "cases": results}
