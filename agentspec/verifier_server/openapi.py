@@ -24,6 +24,10 @@ ERRORS = {"400": "invalid request (the message says what to fix)", "401": "missi
           "503": "loading, or no capacity (retry)", "504": "the request took too long"}
 MEDIA = {"/metrics": "text/plain", "/v1/spec/sessions/{session_id}/generate": "application/x-ndjson",
          "/v1/chat/completions": "text/event-stream", "/v1/completions": "text/event-stream"}
+# one server-sent event, as SSE parsers (and schemathesis) see each: ``data`` is a JSON chunk or ``[DONE]``
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk of the answer, or [DONE] at the end"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def document(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
@@ -46,7 +50,8 @@ def document(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
                         "schema": {"$ref": f"#/components/schemas/{bodies[path].__name__}"}}}}
                 if path in MEDIA:  # a stream or text; JSON too where the route answers both ways
                     ok = op["responses"].setdefault("200", {"description": "OK"})
-                    ok.setdefault("content", {})[MEDIA[path]] = {"schema": {"type": "string"}}
+                    item = SSE_EVENT if MEDIA[path] == "text/event-stream" else {"type": "string"}
+                    ok.setdefault("content", {})[MEDIA[path]] = {"schema": item}
                 if path != "/health":
                     op["responses"].update({code: {"description": text, **error} for code, text in ERRORS.items()})
                     op["responses"].pop("422", None)  # validation errors are 400s here
