@@ -50,6 +50,8 @@ NOT_RUN = {
     ("python3", "-m", "venv"): "creates a virtual environment (set-up by hand)",
     (".",): "activates a virtual environment in the user's shell",
     ("pip", "install"): "installs packages from PyPI",
+    ("make", "reliability-short"): "starts verifier processes and attacks them for minutes",
+    (".venv/bin/python", "-m", "benchmarks.reliability"): "the reliability suite's long run (~40 minutes)",
     ("make", "vllm"): "makes the vLLM venv (minutes, hundreds of MB)",
     ("make", "test-vllm"): "starts vLLM servers (make test-vllm is its own suite)",
     ("make", "bench-vllm"): "runs the vLLM benchmark for many minutes",
