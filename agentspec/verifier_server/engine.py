@@ -10,6 +10,7 @@ does), and :func:`agentspec.round_step.commit_round` commits each; a fault in on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -99,9 +100,7 @@ class VerifierEngine:
     async def run_on_model(self, fn: Callable[..., Any], *args: Any, background: bool = False) -> Any:
         """``fn(*args)`` on the model thread. ``background``: a long prefill's later chunk, which lets the
         other jobs (rounds, short prefills) go first (:meth:`BatchScheduler.yield_to_others`)."""
-        if background:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-        with self.scheduler.foreground_job():
+        with contextlib.nullcontext() if background else self.scheduler.foreground_job():
             return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     # -- sessions ----------------------------------------------------------------------------------
