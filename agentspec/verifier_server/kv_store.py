@@ -125,11 +125,12 @@ class KVStore:
         Room for the whole prompt's KV is made *before* the prefill (never evicting the prefix donor), so
         the cap holds while the new cache grows."""
         with self._lock:
-            self._make_room_for_session(owner)
             donor, reuse = self._best_prefix(owner, tokens)
+            keep = donor.id if donor is not None else None
+            self._make_room_for_session(owner, keep)  # at the session cap, an agent's last step is its donor
             need = self.bytes_per_token * len(tokens)
             if need:
-                self._evict_until(self.capacity_bytes - need, owner, keep=donor.id if donor is not None else None)
+                self._evict_until(self.capacity_bytes - need, owner, keep=keep)
             cache = models.new_cache(self.model)
             if donor is not None and reuse > 0:
                 cache = models.copy_cache_prefix(self.model, donor.cache, reuse)
@@ -185,9 +186,9 @@ class KVStore:
                 best, best_len = s, n
         return best, best_len
 
-    def _make_room_for_session(self, owner: str) -> None:
+    def _make_room_for_session(self, owner: str, keep: str | None = None) -> None:
         while len(self._sessions) >= self.max_sessions:
-            victim = self._victim(owner)
+            victim = self._victim(owner, keep)
             if victim is None:
                 mine = sum(s.owner == owner and not s.closed for s in self._sessions.values())
                 raise ProtocolError(f"all {self.max_sessions} sessions (--max-sessions) are busy or other API "
