@@ -1,0 +1,246 @@
+"""Agent tasks on the real pair: a LangGraph agent through ``ChatAgentSpec``, Qwen2.5-Coder-1.5B-Instruct
+verified on a server core, Qwen2.5-Coder-0.5B-Instruct drafting on the agent's core (issue 23, item 4).
+
+Run: ``python -m benchmarks.agent`` (alone on the machine; about an hour on 2 cores with native bf16) or
+``--quick`` (two tasks, RTT 0 only). Writes ``benchmarks/results/agent.json`` (``agent_quick.json``).
+
+The tasks (:mod:`benchmarks.agent_tasks`) are multi-step tool-using requests over a deterministic world
+(files, orders, a mailbox, fixed currency rates), each with a check of the end state. For each injected RTT
+(a :class:`~benchmarks.delay_proxy.DelayProxy` between agent and verifier), every method runs every task,
+in rotated order per task, with its own API key (no method reuses another's prompt KV or copy index):
+
+* ``plain`` — ``server-ar``, one request per model call: one target pass per token (the reference);
+* ``server`` — the verifier drafts (grammar + copy), one request per model call;
+* ``edge_0.5b`` — the agent's machine drafts with the 0.5B merged into the grammar + copy tree;
+* ``auto`` — the router chooses per segment among edge (0.5B), server and server-ar.
+
+Per task: model time (every model call's wall time, prefill and network included), steps, the modes used,
+tokens per round by content kind (tool-call JSON or text) and whether the transcript (messages, tool calls,
+end state) is identical to plain's. Then the lossless check in fp32 (plain, server, edge, auto at RTT 0) and
+how often the 1.5B and the 0.5B, each decoding plainly, complete the tasks correctly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentspec import models
+from agentspec.adapters.langchain import ChatAgentSpec
+from agentspec.demo import run_agent, transcript
+from agentspec.drafters import ModelDrafter
+from benchmarks import common
+from benchmarks.agent_tasks import TASKS, Task, World, final_answer
+from benchmarks.common import log
+from benchmarks.delay_proxy import DelayProxy
+from benchmarks.server import Verifier
+
+TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+MODE = {"plain": "server-ar", "server": "server", "edge_0.5b": "edge", "auto": "auto"}
+WARM = "Reply with one short sentence: what is a tool call?"
+
+
+def make_model(url: str, method: str, key: str, drafter: Any, args: Any) -> ChatAgentSpec:
+    """The agent's chat model for ``method``; plain sends each call as one request (as a plain client)."""
+    whole = method == "plain"
+    return ChatAgentSpec(model=TARGET, base_url=url, api_key=key, mode=MODE[method], temperature=0,
+                         max_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+                         segment_tokens=args.max_new_tokens if whole else args.segment_tokens,
+                         drafter=ModelDrafter(drafter) if method in ("edge_0.5b", "auto") else None,
+                         tokenizer=drafter.tokenizer, timeout=900)
+
+
+def run_task(model: ChatAgentSpec, task: Task, max_steps: int) -> dict[str, Any]:
+    """One agent run of ``task``: per-call figures, the transcript and whether the task was done."""
+    world = World()
+    calls, messages = run_agent(model, task.prompt, world.tools(), recursion_limit=2 * max_steps)
+    rows = []
+    for c in calls:
+        seg = c.stats.get("segments", [])
+        rows.append({"seconds": c.seconds, "tokens": c.tokens, "kind": "tool_call" if c.tool_calls else "answer",
+                     "modes": c.stats.get("modes", []),
+                     "decode_s": sum(s["wall_s"] for s in seg), "decode_tokens": sum(s["tokens"] for s in seg),
+                     "rounds": sum(s["rounds"] for s in seg)})
+    return {"calls": rows, "model_s": sum(c.seconds for c in calls), "steps": len(calls),
+            "transcript": json.dumps([transcript(messages), world.files, world.sent, world.conversions]),
+            "correct": task.check(world, final_answer(messages)), "answer": final_answer(messages)[:400]}
+
+
+def run_rtt(srv: Verifier, rtt_ms: float, methods: tuple[str, ...], tasks: tuple[Task, ...], drafter: Any,
+            args: Any, tag: str) -> dict[str, dict[str, Any]]:
+    """Every method on every task at one injected RTT; returns ``{method: {task id: run}}``."""
+    proxy = DelayProxy("127.0.0.1", srv.port, rtt_ms / 2e3).__enter__() if rtt_ms else None
+    url = f"http://127.0.0.1:{proxy.port}" if proxy else srv.url
+    try:
+        chat = {m: make_model(url, m, f"{tag}-{m}-{rtt_ms:g}", drafter, args) for m in methods}
+        for m in methods:  # untimed: first requests, and the router's first look at each mode
+            chat[m].invoke(WARM, max_tokens=24)
+        runs: dict[str, dict[str, Any]] = {m: {} for m in methods}
+        for i, task in enumerate(tasks):
+            order = methods[i % len(methods):] + methods[: i % len(methods)]
+            for m in order:
+                runs[m][task.id] = run_task(chat[m], task, args.max_steps)
+            ref = runs[methods[0]][task.id]
+            log(f"rtt={rtt_ms:g}ms {task.id}: steps={ref['steps']} correct={ref['correct']} " + " ".join(
+                f"{m}={runs[m][task.id]['model_s']:.1f}s"
+                f"{'' if runs[m][task.id]['transcript'] == ref['transcript'] else '(differs)'}" for m in methods))
+    finally:
+        if proxy:
+            proxy.__exit__(None, None, None)
+    return runs
+
+
+def summarise_rtt(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Speed-ups against plain at one RTT: decode (pooled tokens over segment time) and per-task model time."""
+    def pooled(m: str, num: str, den: str) -> float:
+        calls = [c for r in runs[m].values() for c in r["calls"]]
+        return sum(c[num] for c in calls) / max(1e-9, sum(c[den] for c in calls))
+
+    ref = runs["plain"]
+    out: dict[str, Any] = {}
+    for m in runs:
+        by_kind = {}  # a call's kind: a tool call (JSON arguments) or a text answer
+        for k in ("tool_call", "answer"):
+            calls = [c for r in runs[m].values() for c in r["calls"] if c["kind"] == k]
+            rounds = sum(c["rounds"] for c in calls)
+            by_kind[k] = round(sum(c["decode_tokens"] for c in calls) / rounds, 3) if rounds else None
+        modes: dict[str, int] = {}
+        for r in runs[m].values():
+            for c in r["calls"]:
+                for mode in c["modes"]:
+                    modes[mode] = modes.get(mode, 0) + 1
+        out[m] = {"decode_ms_per_token": round(1e3 * pooled(m, "decode_s", "decode_tokens"), 2),
+                  "decode_speedup": round(pooled("plain", "decode_s", "decode_tokens")
+                                          / pooled(m, "decode_s", "decode_tokens"), 3),
+                  "task_e2e_speedup": {t: round(ref[t]["model_s"] / r["model_s"], 3) for t, r in runs[m].items()},
+                  "model_s_total": round(sum(r["model_s"] for r in runs[m].values()), 2),
+                  "tokens_per_round_by_kind": by_kind, "segments_by_mode": modes,
+                  "identical_to_plain": sum(r["transcript"] == ref[t]["transcript"] for t, r in runs[m].items()),
+                  "first_differing_message": {t: first_difference(r["transcript"], ref[t]["transcript"])
+                                              for t, r in runs[m].items() if r["transcript"] != ref[t]["transcript"]}}
+    fixed = [m for m in runs if m not in ("plain", "auto")]
+    best = min(fixed, key=lambda m: out[m]["model_s_total"])
+    return {"methods": out, "best_fixed": best,
+            "auto_vs_best": round(out[best]["model_s_total"] / out["auto"]["model_s_total"], 3) if "auto" in runs
+            else None}
+
+
+def first_difference(a: str, b: str) -> int:
+    """Index of the first message where two transcripts differ (their length when one extends the other)."""
+    ma, mb = json.loads(a)[0], json.loads(b)[0]
+    return next((i for i, (x, y) in enumerate(zip(ma, mb, strict=False)) if x != y), min(len(ma), len(mb)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", type=int, default=len(TASKS))
+    ap.add_argument("--rtts", default="0,20,50,100", help="injected round-trip times in ms, comma-separated")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-steps", type=int, default=4, help="most model calls per task")
+    ap.add_argument("--num-draft-tokens", type=int, default=6)
+    ap.add_argument("--segment-tokens", type=int, default=32, help="server, edge and auto segments")
+    ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 lossless check")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/agent")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tasks, args.rtts, args.no_fp32, args.out = 2, "0", True, args.out + "_quick"
+    os.sched_setaffinity(0, {0})  # the agent's machine: core 0; the verifier is pinned to core 1
+    torch.set_num_threads(1)
+    tasks, methods = TASKS[: args.tasks], tuple(MODE)
+    rtts = [float(r) for r in args.rtts.split(",")]
+    drafter = models.load_model(DRAFTER, device="cpu", dtype="bfloat16")
+    keys = [a for tag in ("bf16", "fp32", "small") for m in methods for r in rtts for a in ("--api-key",
+                                                                                          f"{tag}-{m}-{r:g}")]
+    result: dict[str, Any] = {"rtt": {}, "runs": {}}
+    t0 = time.perf_counter()
+    srv = Verifier("bfloat16", *keys, threads=1, target=TARGET, cpus="1")
+    result["verifier_load_s"], result["verifier_peak_rss_bytes"] = round(time.perf_counter() - t0, 1), 0
+    try:
+        for r in rtts:
+            runs = run_rtt(srv, r, methods, tasks, drafter, args, "bf16")
+            result["rtt"][f"{r:g}"], result["runs"][f"bf16-{r:g}"] = summarise_rtt(runs), runs
+        result["verifier_peak_rss_bytes"] = srv.peak_rss()
+    finally:
+        srv.close()
+    if not args.no_fp32:
+        srv = Verifier("float32", *keys, threads=1, target=TARGET, cpus="1")
+        try:
+            runs = run_rtt(srv, 0.0, methods, tasks, drafter, args, "fp32")
+            result["fp32"], result["runs"]["fp32-0"] = summarise_rtt(runs), runs
+        finally:
+            srv.close()
+    result["plain_same_as_rtt0"] = plain_across_rtts(result["runs"])
+    result["completion"] = completion(result["runs"]["bf16-0"]["plain"], tasks, drafter, keys, args)
+    accept = acceptance(result, rtts, args)
+    result = {"acceptance": accept, **result, "setup": setup(args, tasks)}
+    Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(accept, indent=1))
+    return 0
+
+
+def plain_across_rtts(runs: dict[str, Any]) -> dict[str, int]:
+    """Per run block, the tasks whose plain transcript equals plain's at RTT 0 in bf16 (the network cannot
+    change an answer; a bf16 near-tie can, when the verifier's computation path differs, e.g. prefix reuse)."""
+    ref = runs["bf16-0"]["plain"]
+    return {block: sum(r["transcript"] == ref[t]["transcript"] for t, r in v["plain"].items())
+            for block, v in runs.items()}
+
+
+def completion(big: dict[str, Any], tasks: tuple[Task, ...], drafter: Any, keys: list[str], args: Any
+               ) -> dict[str, Any]:
+    """Tasks each model completes correctly decoding plainly (the 1.5B from its bf16 plain runs)."""
+    srv = Verifier("bfloat16", *keys, threads=1, target=DRAFTER, cpus="1")
+    try:
+        small = ChatAgentSpec(model=DRAFTER, base_url=srv.url, api_key=f"small-plain-{0.0:g}", mode="server-ar",
+                              temperature=0, max_tokens=args.max_new_tokens, segment_tokens=args.max_new_tokens,
+                              tokenizer=drafter.tokenizer, timeout=900)
+        runs = {t.id: run_task(small, t, args.max_steps) for t in tasks}
+    finally:
+        srv.close()
+    return {TARGET: {t: r["correct"] for t, r in big.items()}, DRAFTER: {t: r["correct"] for t, r in runs.items()},
+            "answers_0.5b": {t: r["answer"] for t, r in runs.items()}}
+
+
+def acceptance(result: dict[str, Any], rtts: list[float], args: Any) -> dict[str, Any]:
+    at0 = result["rtt"]["0"]["methods"]
+    fixed = [m for m in at0 if m not in ("plain", "auto")]
+    best_decode = max(fixed, key=lambda m: at0[m]["decode_speedup"])
+    best_e2e = result["rtt"]["0"]["best_fixed"]
+    done = result["completion"]
+    fp32 = result.get("fp32")
+    return {
+        "tasks": args.tasks, "rtts_ms": rtts,
+        "lossless": None if fp32 is None else all(v["identical_to_plain"] == args.tasks
+                                                  for v in fp32["methods"].values()),
+        "identical_to_plain_fp32": None if fp32 is None else {m: v["identical_to_plain"]
+                                                              for m, v in fp32["methods"].items()},
+        "identical_to_plain_bf16": {f"{r:g}": {m: v["identical_to_plain"] for m, v in
+                                               result["rtt"][f"{r:g}"]["methods"].items()} for r in rtts},
+        "decode_speedup_bf16": at0[best_decode]["decode_speedup"], "decode_best_mode": best_decode,
+        "task_e2e_speedup_bf16": min(at0[best_e2e]["task_e2e_speedup"].values()), "task_e2e_best_mode": best_e2e,
+        "auto_vs_best": {f"{r:g}": result["rtt"][f"{r:g}"]["auto_vs_best"] for r in rtts},
+        "auto_vs_best_min": min(result["rtt"][f"{r:g}"]["auto_vs_best"] for r in rtts),
+        "tasks_correct": {m: sum(v.values()) for m, v in done.items() if not m.startswith("answers")},
+        "targets": {"decode_speedup_bf16": 3.0, "task_e2e_speedup_bf16": 2.0, "auto_vs_best_min": 0.95},
+    }
+
+
+def setup(args: Any, tasks: tuple[Task, ...]) -> dict[str, Any]:
+    return {"target": TARGET, "drafter": DRAFTER, "dtype": "bfloat16 (fp32: the lossless check)",
+            "tasks": {t.id: t.prompt for t in tasks}, "max_new_tokens": args.max_new_tokens,
+            "max_steps": args.max_steps, "num_draft_tokens": args.num_draft_tokens,
+            "segment_tokens": {"plain": args.max_new_tokens, "server, edge_0.5b, auto": args.segment_tokens},
+            "server": "agentspec-verifier, taskset core 1, 1 thread, no draft model",
+            "client": "core 0, 1 thread: the LangGraph agent and the 0.5B drafter (bf16)",
+            "rtt": "DelayProxy on loopback, half the RTT each way", "machine": common.machine_info()}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
