@@ -80,7 +80,7 @@ def _local(target: models.LoadedModel, cfg: TrainConfig) -> Callable[..., list[i
 def _via_verifier(cfg: TrainConfig) -> Callable[..., list[int]]:
     from agentspec.client import SpecClient
 
-    client = SpecClient(cfg.verifier_url, mode="server-ar")
+    client = SpecClient(cfg.verifier_url, mode="server")  # lossless: drafted answers equal plain ones
 
     def generate(example: ChatExample, prompt: list[int], temperature: float, seed: int) -> list[int]:
         final = client.generate(list(example.messages), list(example.tools) or None, max_tokens=cfg.max_new_tokens,
@@ -206,9 +206,13 @@ def _trainable(drafter: Any, cfg: TrainConfig) -> Any:
     if not hasattr(drafter, "peft_config"):
         from peft import LoraConfig, get_peft_model
 
+        # every linear layer of the decoder (attention and MLP; peft leaves the output head out): a drafter
+        # mostly has to learn the target's habits of phrasing, which the MLPs carry
         lora = LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank, lora_dropout=0.0,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-        drafter = get_peft_model(drafter, lora)
+                          target_modules="all-linear")
+        peft_model = get_peft_model(drafter, lora)  # injects adapters into ``drafter`` itself
+        drafter.__dict__["agentspec_peft"] = peft_model  # not a submodule: save_drafter merges through it
+        drafter = peft_model
     return drafter
 
 
@@ -304,7 +308,8 @@ def save_drafter(drafter: Any, tokenizer: Any, out: Path, meta: dict[str, Any],
 
     A head reduced for training is saved full-size (``full_head`` with the trained rows written back), so
     the directory stays a plain checkpoint of the target's architecture; loading cuts it to ``vocab``."""
-    model = drafter.merge_and_unload() if hasattr(drafter, "merge_and_unload") else drafter
+    peft_model = drafter.__dict__.pop("agentspec_peft", drafter)  # the base model train() adapted in place
+    model = peft_model.merge_and_unload() if hasattr(peft_model, "merge_and_unload") else drafter
     out.mkdir(parents=True, exist_ok=True)
     token_map = getattr(model, "agentspec_token_map", None)
     if token_map is None:

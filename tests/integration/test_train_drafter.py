@@ -23,6 +23,12 @@ def test_trained_drafter_loads_in_the_server_and_the_client(tmp_path, target):
     cfg = config(tmp_path, "drafter", epochs=1, lora_rank=4, draft_vocab=40)
     report = run_training(cfg, target=target)
     assert report["finished"] and (tmp_path / "drafter" / "report.md").exists()
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "drafter" / "model.safetensors"), "pt") as f:  # the merged weights, by name
+        saved = set(f.keys())
+    assert "model.layers.0.self_attn.q_proj.weight" in saved and "model.layers.0.mlp.down_proj.weight" in saved
+    assert not [k for k in saved if "lora_" in k or "base_layer" in k], "LoRA adapters saved unmerged"
     drafter = models.load_model(cfg.output, dtype="float32")
     assert drafter.model.config.num_hidden_layers == 1 and not hasattr(drafter.model, "peft_config")
     assert report["draft_vocab"] == 40 and drafter.model.get_output_embeddings().weight.shape[0] == 40
