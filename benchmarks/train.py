@@ -12,6 +12,11 @@ target verifies; plain greedy decoding of the same model on the same prompts is 
 
 Writes ``benchmarks/results/train.json`` (with the top-level ``acceptance`` object) and ``train.md``; the
 drafter itself goes to ``--output`` (not committed).
+
+``--pair`` fine-tunes a pretrained drafter instead (issue 23, item 3): Qwen2.5-Coder-0.5B-Instruct with LoRA
+adapters on every linear layer of its decoder (merged into the saved weights) on the answers of
+Qwen2.5-Coder-1.5B-Instruct, trained and evaluated in bf16 (the 1.5B's dtype on CPU), k = 2, 4, 8, 16;
+writes ``train_pair.json`` / ``train_pair.md``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from agentspec.training.config import TrainConfig
 from agentspec.training.run import report_markdown, run_training
 from benchmarks import common
 
+PAIR_TARGET, PAIR_DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,24 +44,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--init-layers", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--output", default="drafters/bench-qwen-320-e4")
-    p.add_argument("--out", default="benchmarks/results/train")
+    p.add_argument("--output", default=None, help="the drafter's directory (default: by recipe)")
+    p.add_argument("--out", default=None, help="results without suffix (default: benchmarks/results/train[_pair])")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--pair", action="store_true", help="LoRA-tune the 0.5B on the 1.5B's answers (see above)")
+    p.add_argument("--lora-rank", type=int, default=16, help="--pair: the adapters' rank")
+    p.add_argument("--batch-size", type=int, default=8)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = TrainConfig(output=args.output, init="from-target", init_layers=args.init_layers,
-                      max_train_prompts=args.train_prompts, max_heldout_prompts=args.heldout_prompts,
-                      epochs=args.epochs, max_new_tokens=args.max_new_tokens, threads=args.threads, lr=args.lr,
-                      draft_vocab=args.draft_vocab)
+    args.output = args.output or ("drafters/pair-0.5b-lora" if args.pair else "drafters/bench-qwen-320-e4")
+    args.out = args.out or ("benchmarks/results/train_pair" if args.pair else "benchmarks/results/train")
+    common_cfg = dict(output=args.output, max_train_prompts=args.train_prompts, epochs=args.epochs,
+                      max_heldout_prompts=args.heldout_prompts, max_new_tokens=args.max_new_tokens,
+                      threads=args.threads, lr=args.lr, draft_vocab=args.draft_vocab, batch_size=args.batch_size)
+    if args.pair:
+        cfg = TrainConfig(**common_cfg, target=PAIR_TARGET, drafter=PAIR_DRAFTER, lora_rank=args.lora_rank,
+                          dtype="bfloat16", max_len=640, eval_ks="2,4,8,16")
+    else:
+        cfg = TrainConfig(**common_cfg, init="from-target", init_layers=args.init_layers)
     t0 = time.perf_counter()
     report = run_training(cfg)
     wall = time.perf_counter() - t0
     if not report.get("finished"):
         common.log("training did not finish; nothing written")
         return 1
-    before, after = report["before"]["by_k"], report["after"]["by_k"]
+    # a resumed run has no "before" (it was evaluated, and logged, by the run that started training)
+    before, after = report.get("before", {}).get("by_k", {}), report["after"]["by_k"]
+    nan = {"alpha": None, "mean_accepted_length": None, "measured_speedup": None, "identical_to_plain": True,
+           "lossless": True, "divergences": []}
+    before = {k: before.get(k, nan) for k in after}
     best_k = max(after, key=lambda k: after[k]["measured_speedup"])
+    k8 = 8 if 8 in after else max(after)
     acceptance = {
+        "alpha_before": before[k8]["alpha"], "alpha_after": after[k8]["alpha"], "alpha_k": k8,
+        f"mean_accepted_length_k{k8}_before": before[k8]["mean_accepted_length"],
+        f"mean_accepted_length_k{k8}_after": after[k8]["mean_accepted_length"],
+        "mean_accepted_length_before": {k: v["mean_accepted_length"] for k, v in before.items()},
+        "mean_accepted_length_after": {k: v["mean_accepted_length"] for k, v in after.items()},
+        f"per_position_acceptance_k{k8}_after": after[k8]["per_position_acceptance"],
         "mean_accepted_length_k4_before": before[4]["mean_accepted_length"],
         "mean_accepted_length_k4_after": after[4]["mean_accepted_length"],
         "decode_speedup_bf16": after[best_k]["measured_speedup"],
@@ -64,12 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         "all_lossless": all(v["lossless"] for r in (before, after) for v in r.values()),  # bf16 ties only
         "real_divergences": sum(d["verdict"] != "tie" for r in (before, after) for v in r.values()
                                 for d in v["divergences"]),
-        "train_minutes": report["train_s"] / 60,
+        # a resumed run times only its own part: the minutes are then in the log of the run that trained
+        "train_minutes": None if "before" not in report else report["train_s"] / 60,
         "target_responses_minutes": report["responses_s"] / 60,
+        "targets": {"alpha_after": 0.85, "mean_accepted_length_k8_after": 5.0, "train_minutes": 60} if args.pair
+        else {},
         "train_ids": report["train_ids"],
         "heldout_ids": report["heldout_ids"],
     }
-    result = {"acceptance": acceptance, "meta": {"model": cfg.target, "train_dtype": cfg.dtype,
+    result = {"acceptance": acceptance, "meta": {"model": cfg.target, "drafter": cfg.drafter or "from-target",
+                                                 "lora_rank": cfg.lora_rank, "train_dtype": cfg.dtype,
                                                  "eval_dtype": cfg.eval_dtype, "data": cfg.data,
                                                  "split": cfg.split, "machine": common.machine_info(),
                                                  "wall_minutes": wall / 60,
