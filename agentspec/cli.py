@@ -32,7 +32,8 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, defaults: bool = Tru
     for f in dataclasses.fields(cls):
         required = f.metadata.get("required", False)
         shown = "required" if required else f"default: {f.default!r}"
-        parser.add_argument(f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", ()), default=f.default if defaults else None,
+        names = (f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", ()))
+        parser.add_argument(*names, default=f.default if defaults else None,
                             type=parse_bool if isinstance(f.default, bool) else type(f.default),
                             required=required, help=f"{f.metadata['help']} ({shown})")
 

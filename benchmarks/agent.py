@@ -23,6 +23,7 @@ how often the 1.5B and the 0.5B, each decoding plainly, complete the tasks corre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -75,9 +76,8 @@ def run_task(model: ChatAgentSpec, task: Task, max_steps: int) -> dict[str, Any]
 def run_rtt(srv: Verifier, rtt_ms: float, methods: tuple[str, ...], tasks: tuple[Task, ...], drafter: Any,
             args: Any, tag: str) -> dict[str, dict[str, Any]]:
     """Every method on every task at one injected RTT; returns ``{method: {task id: run}}``."""
-    proxy = DelayProxy("127.0.0.1", srv.port, rtt_ms / 2e3).__enter__() if rtt_ms else None
-    url = f"http://127.0.0.1:{proxy.port}" if proxy else srv.url
-    try:
+    with DelayProxy("127.0.0.1", srv.port, rtt_ms / 2e3) if rtt_ms else contextlib.nullcontext() as proxy:
+        url = f"http://127.0.0.1:{proxy.port}" if proxy else srv.url
         chat = {m: make_model(url, m, f"{tag}-{m}-{rtt_ms:g}", drafter, args) for m in methods}
         for m in methods:  # untimed: first requests, and the router's first look at each mode
             chat[m].invoke(WARM, max_tokens=24)
@@ -90,9 +90,6 @@ def run_rtt(srv: Verifier, rtt_ms: float, methods: tuple[str, ...], tasks: tuple
             log(f"rtt={rtt_ms:g}ms {task.id}: steps={ref['steps']} correct={ref['correct']} " + " ".join(
                 f"{m}={runs[m][task.id]['model_s']:.1f}s"
                 f"{'' if runs[m][task.id]['transcript'] == ref['transcript'] else '(differs)'}" for m in methods))
-    finally:
-        if proxy:
-            proxy.__exit__(None, None, None)
     return runs
 
 

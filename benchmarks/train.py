@@ -25,6 +25,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -70,26 +71,27 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # a resumed run has no "before" (it was evaluated, and logged, by the run that started training)
     before, after = report.get("before", {}).get("by_k", {}), report["after"]["by_k"]
-    nan = {"alpha": None, "mean_accepted_length": None, "measured_speedup": None, "identical_to_plain": True,
-           "lossless": True, "divergences": []}
-    before = {k: before.get(k, nan) for k in after}
+    evaluated = [r for r in (before, after) if r]
+
+    def was(k: int, name: str) -> Any:
+        return before[k][name] if before else None
     best_k = max(after, key=lambda k: after[k]["measured_speedup"])
     k8 = 8 if 8 in after else max(after)
     acceptance = {
-        "alpha_before": before[k8]["alpha"], "alpha_after": after[k8]["alpha"], "alpha_k": k8,
-        f"mean_accepted_length_k{k8}_before": before[k8]["mean_accepted_length"],
+        "alpha_before": was(k8, "alpha"), "alpha_after": after[k8]["alpha"], "alpha_k": k8,
+        f"mean_accepted_length_k{k8}_before": was(k8, "mean_accepted_length"),
         f"mean_accepted_length_k{k8}_after": after[k8]["mean_accepted_length"],
-        "mean_accepted_length_before": {k: v["mean_accepted_length"] for k, v in before.items()},
+        "mean_accepted_length_before": {k: v["mean_accepted_length"] for k, v in before.items()} or None,
         "mean_accepted_length_after": {k: v["mean_accepted_length"] for k, v in after.items()},
         f"per_position_acceptance_k{k8}_after": after[k8]["per_position_acceptance"],
-        "mean_accepted_length_k4_before": before[4]["mean_accepted_length"],
+        "mean_accepted_length_k4_before": was(4, "mean_accepted_length"),
         "mean_accepted_length_k4_after": after[4]["mean_accepted_length"],
         "decode_speedup_bf16": after[best_k]["measured_speedup"],
         "decode_speedup_bf16_k": best_k,
         "decode_speedup_bf16_k4": after[4]["measured_speedup"],
-        "all_identical_to_plain": all(v["identical_to_plain"] for r in (before, after) for v in r.values()),
-        "all_lossless": all(v["lossless"] for r in (before, after) for v in r.values()),  # bf16 ties only
-        "real_divergences": sum(d["verdict"] != "tie" for r in (before, after) for v in r.values()
+        "all_identical_to_plain": all(v["identical_to_plain"] for r in evaluated for v in r.values()),
+        "all_lossless": all(v["lossless"] for r in evaluated for v in r.values()),  # bf16 ties only
+        "real_divergences": sum(d["verdict"] != "tie" for r in evaluated for v in r.values()
                                 for d in v["divergences"]),
         # a resumed run times only its own part: the minutes are then in the log of the run that trained
         "train_minutes": None if "before" not in report else report["train_s"] / 60,
