@@ -83,8 +83,10 @@ def make_tools(files: dict[str, str]) -> list[Any]:
     return [read_file, write_file, get_weather]
 
 
-def run_agent(model: Any, task: str, tools: list[Any], recursion_limit: int = 8) -> tuple[list[Call], list[Any]]:
-    """Run a ``create_agent`` agent with ``tools`` on ``task``; returns its model calls and final messages.
+def run_agent(model: Any, task: str, tools: list[Any], recursion_limit: int = 8,
+              system_prompt: str | None = None) -> tuple[list[Call], list[Any]]:
+    """Run a ``create_agent`` agent with ``tools`` (and ``system_prompt``, if any) on ``task``; returns its model
+    calls and final messages.
 
     A small model may loop on tools: the run stops after ``recursion_limit`` graph steps (two runs of the
     same transcript stop at the same place)."""
@@ -105,7 +107,8 @@ def run_agent(model: Any, task: str, tools: list[Any], recursion_limit: int = 8)
 
     from langgraph.errors import GraphRecursionError
 
-    agent = create_agent(model, tools)  # (a system prompt made the 0.5B target misname tools)
+    # the demo passes no system prompt: one made the 0.5B misname tools
+    agent = create_agent(model, tools, system_prompt=system_prompt)
     state: dict[str, Any] = {"messages": []}
     try:
         for values in agent.stream({"messages": [{"role": "user", "content": task}]}, stream_mode="values",

@@ -16,8 +16,10 @@ in rotated order per task, with its own API key (no method reuses another's prom
 
 Per task: model time (every model call's wall time, prefill and network included), steps, the modes used,
 tokens per round by content kind (tool-call JSON or text) and whether the transcript (messages, tool calls,
-end state) is identical to plain's. Then the lossless check in fp32 (plain, server, edge, auto at RTT 0) and
-how often the 1.5B and the 0.5B, each decoding plainly, complete the tasks correctly.
+end state) is identical to plain's. Every call asks for the top-2 logprobs of its tokens, so a run that parts
+from plain's is reported with the token where it parts and both runs' top-2 margins there (a bf16 near-tie,
+or a real loss). Then the lossless check in fp32 (plain, server, edge, auto at RTT 0) and how often the 1.5B
+and the 0.5B, each decoding plainly, complete the tasks correctly.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ from benchmarks.server import Verifier
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 MODE = {"plain": "server-ar", "server": "server", "edge_0.5b": "edge", "auto": "auto"}
 WARM = "Reply with one short sentence: what is a tool call?"
+# --system-prompt: none by default (the chat template's own). Without one the 1.5B often repeats a call after
+# its result; a step-by-step prompt (below) made it write long free-text plans with made-up tool results instead.
+STEP_BY_STEP = ("Answer the user's request using the tools. Work step by step: call one tool, read its result, "
+                "then either call another tool for the next missing fact or, when nothing is missing, give the "
+                "final answer in plain text citing the results.")
 
 
 def make_model(url: str, method: str, key: str, drafter: Any, args: Any) -> ChatAgentSpec:
@@ -54,13 +61,15 @@ def make_model(url: str, method: str, key: str, drafter: Any, args: Any) -> Chat
                          max_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                          segment_tokens=args.max_new_tokens if whole else args.segment_tokens,
                          drafter=ModelDrafter(drafter) if method in ("edge_0.5b", "auto") else None,
-                         tokenizer=drafter.tokenizer, timeout=900)
+                         tokenizer=drafter.tokenizer, timeout=900, logprobs=True, top_logprobs=2)
 
 
-def run_task(model: ChatAgentSpec, task: Task, max_steps: int) -> dict[str, Any]:
-    """One agent run of ``task``: per-call figures, the transcript and whether the task was done."""
+def run_task(model: ChatAgentSpec, task: Task, max_steps: int, system_prompt: str | None) -> dict[str, Any]:
+    """One agent run of ``task``: per-call figures, the transcript, whether the task was done and, per AI
+    message, its tokens' top-2 logprobs (to find where two runs part and how close that choice was)."""
     world = World()
-    calls, messages = run_agent(model, task.prompt, world.tools(), recursion_limit=2 * max_steps)
+    calls, messages = run_agent(model, task.prompt, world.tools(), recursion_limit=2 * max_steps,
+                                system_prompt=system_prompt)
     rows = []
     for c in calls:
         seg = c.stats.get("segments", [])
@@ -70,7 +79,35 @@ def run_task(model: ChatAgentSpec, task: Task, max_steps: int) -> dict[str, Any]
                      "rounds": sum(s["rounds"] for s in seg)})
     return {"calls": rows, "model_s": sum(c.seconds for c in calls), "steps": len(calls),
             "transcript": json.dumps([transcript(messages), world.files, world.sent, world.conversions]),
-            "correct": task.check(world, final_answer(messages)), "answer": final_answer(messages)[:400]}
+            "correct": task.check(world, final_answer(messages)), "answer": final_answer(messages)[:400],
+            "logprobs": [token_choices(m) for m in messages]}  # aligned with the transcript's messages
+
+
+def token_choices(message: Any) -> list[list[Any]] | None:
+    """An AI message's tokens as ``[token, [(top-1, logprob), (top-2, logprob)]]`` (None for other messages)."""
+    if message.type != "ai":
+        return None
+    content = (message.response_metadata.get("logprobs") or {}).get("content") or []
+    return [[e["token"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]]] for e in content]
+
+
+def divergence(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """Where ``run`` first parts from the reference run: the message, the token, and each run's top-2 choice
+    there with its logprob margin (a near-zero margin is a numerical tie that bf16 rounding can flip)."""
+    i = first_difference(run["transcript"], ref["transcript"])
+    a = run["logprobs"][i] if i < len(run["logprobs"]) else None
+    b = ref["logprobs"][i] if i < len(ref["logprobs"]) else None
+    if a is None or b is None:
+        return {"message": i, "token": None, "why": "the runs part outside a model's output"}
+    j = next((n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x[0] != y[0]), min(len(a), len(b)))
+    if j == min(len(a), len(b)):  # one stopped where the other went on: the stop token is not in logprobs
+        return {"message": i, "token": j, "why": "one run ended its message here"}
+
+    def side(choice: list[Any]) -> dict[str, Any]:
+        (t1, l1), (t2, l2) = choice[1][0], choice[1][1]
+        return {"chose": choice[0], "top2": [t1, t2], "margin": round(l1 - l2, 4)}
+
+    return {"message": i, "token": j, "plain": side(b[j]), "this": side(a[j])}
 
 
 def run_rtt(srv: Verifier, rtt_ms: float, methods: tuple[str, ...], tasks: tuple[Task, ...], drafter: Any,
@@ -85,7 +122,7 @@ def run_rtt(srv: Verifier, rtt_ms: float, methods: tuple[str, ...], tasks: tuple
         for i, task in enumerate(tasks):
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for m in order:
-                runs[m][task.id] = run_task(chat[m], task, args.max_steps)
+                runs[m][task.id] = run_task(chat[m], task, args.max_steps, args.system_prompt)
             ref = runs[methods[0]][task.id]
             log(f"rtt={rtt_ms:g}ms {task.id}: steps={ref['steps']} correct={ref['correct']} " + " ".join(
                 f"{m}={runs[m][task.id]['model_s']:.1f}s"
@@ -119,8 +156,8 @@ def summarise_rtt(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                   "model_s_total": round(sum(r["model_s"] for r in runs[m].values()), 2),
                   "tokens_per_round_by_kind": by_kind, "segments_by_mode": modes,
                   "identical_to_plain": sum(r["transcript"] == ref[t]["transcript"] for t, r in runs[m].items()),
-                  "first_differing_message": {t: first_difference(r["transcript"], ref[t]["transcript"])
-                                              for t, r in runs[m].items() if r["transcript"] != ref[t]["transcript"]}}
+                  "divergences": {t: divergence(r, ref[t]) for t, r in runs[m].items()
+                                  if r["transcript"] != ref[t]["transcript"]}}
     fixed = [m for m in runs if m not in ("plain", "auto")]
     best = min(fixed, key=lambda m: out[m]["model_s_total"])
     return {"methods": out, "best_fixed": best,
@@ -142,10 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=4, help="most model calls per task")
     ap.add_argument("--num-draft-tokens", type=int, default=6)
     ap.add_argument("--segment-tokens", type=int, default=32, help="server, edge and auto segments")
+    ap.add_argument("--system-prompt", default="", help="the agent's system prompt (default: none; "
+                    "'step-by-step': the prompt STEP_BY_STEP)")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 lossless check")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/agent")
     args = ap.parse_args(argv)
+    args.system_prompt = STEP_BY_STEP if args.system_prompt == "step-by-step" else args.system_prompt or None
     if args.quick:
         args.tasks, args.rtts, args.no_fp32, args.out = 2, "0", True, args.out + "_quick"
     os.sched_setaffinity(0, {0})  # the agent's machine: core 0; the verifier is pinned to core 1
@@ -176,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     result["plain_same_as_rtt0"] = plain_across_rtts(result["runs"])
     result["completion"] = completion(result["runs"]["bf16-0"]["plain"], tasks, drafter, keys, args)
     accept = acceptance(result, rtts, args)
+    for block in result["runs"].values():  # per-token logprobs served the divergence report; too big to keep
+        for by_task in block.values():
+            for r in by_task.values():
+                r.pop("logprobs", None)
     result = {"acceptance": accept, **result, "setup": setup(args, tasks)}
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(accept, indent=1))
@@ -198,7 +242,7 @@ def completion(big: dict[str, Any], tasks: tuple[Task, ...], drafter: Any, keys:
         small = ChatAgentSpec(model=DRAFTER, base_url=srv.url, api_key=f"small-plain-{0.0:g}", mode="server-ar",
                               temperature=0, max_tokens=args.max_new_tokens, segment_tokens=args.max_new_tokens,
                               tokenizer=drafter.tokenizer, timeout=900)
-        runs = {t.id: run_task(small, t, args.max_steps) for t in tasks}
+        runs = {t.id: run_task(small, t, args.max_steps, args.system_prompt) for t in tasks}
     finally:
         srv.close()
     return {TARGET: {t: r["correct"] for t, r in big.items()}, DRAFTER: {t: r["correct"] for t, r in runs.items()},
@@ -212,6 +256,9 @@ def acceptance(result: dict[str, Any], rtts: list[float], args: Any) -> dict[str
     best_e2e = result["rtt"]["0"]["best_fixed"]
     done = result["completion"]
     fp32 = result.get("fp32")
+    blocks = {f"bf16 rtt {r:g}ms": result["rtt"][f"{r:g}"] for r in rtts} | ({"fp32 rtt 0ms": fp32} if fp32 else {})
+    divergences = [{"run": b, "method": m, "task": t, **d} for b, v in blocks.items()
+                   for m, x in v["methods"].items() for t, d in x["divergences"].items()]
     return {
         "tasks": args.tasks, "rtts_ms": rtts,
         "lossless": None if fp32 is None else all(v["identical_to_plain"] == args.tasks
@@ -225,6 +272,9 @@ def acceptance(result: dict[str, Any], rtts: list[float], args: Any) -> dict[str
         "auto_vs_best": {f"{r:g}": result["rtt"][f"{r:g}"]["auto_vs_best"] for r in rtts},
         "auto_vs_best_min": min(result["rtt"][f"{r:g}"]["auto_vs_best"] for r in rtts),
         "tasks_correct": {m: sum(v.values()) for m, v in done.items() if not m.startswith("answers")},
+        "divergences": divergences,  # fp32 ones would be losses; bf16 ones should be near-ties
+        "bf16_divergence_margin_max": max((d["plain"]["margin"] for d in divergences
+                                           if "plain" in d and d["run"].startswith("bf16")), default=None),
         "targets": {"decode_speedup_bf16": 3.0, "task_e2e_speedup_bf16": 2.0, "auto_vs_best_min": 0.95},
     }
 
@@ -232,7 +282,7 @@ def acceptance(result: dict[str, Any], rtts: list[float], args: Any) -> dict[str
 def setup(args: Any, tasks: tuple[Task, ...]) -> dict[str, Any]:
     return {"target": TARGET, "drafter": DRAFTER, "dtype": "bfloat16 (fp32: the lossless check)",
             "tasks": {t.id: t.prompt for t in tasks}, "max_new_tokens": args.max_new_tokens,
-            "max_steps": args.max_steps, "num_draft_tokens": args.num_draft_tokens,
+            "max_steps": args.max_steps, "system_prompt": args.system_prompt, "num_draft_tokens": args.num_draft_tokens,
             "segment_tokens": {"plain": args.max_new_tokens, "server, edge_0.5b, auto": args.segment_tokens},
             "server": "agentspec-verifier, taskset core 1, 1 thread, no draft model",
             "client": "core 0, 1 thread: the LangGraph agent and the 0.5B drafter (bf16)",

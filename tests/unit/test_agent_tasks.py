@@ -67,3 +67,34 @@ def test_final_answer_is_the_last_ai_text() -> None:
 
     assert final_answer([HumanMessage("q"), AIMessage("done")]) == "done"
     assert final_answer([HumanMessage("q"), AIMessage("", tool_calls=[{"name": "f", "args": {}, "id": "1"}])]) == ""
+
+
+def _run(messages: list, choices: list) -> dict:
+    return {"transcript": json.dumps([messages, {}, [], []]), "logprobs": choices}
+
+
+def test_divergence_names_the_message_token_and_both_margins() -> None:
+    from benchmarks.agent import divergence
+
+    human = ["human", "hi", "[]"]
+    plain = _run([human, ["ai", "ab", "[]"]], [None, [["a", [("a", -0.1), ("x", -2.0)]],
+                                                       ["b", [("b", -0.50), ("c", -0.52)]]]])
+    spec = _run([human, ["ai", "ac", "[]"]], [None, [["a", [("a", -0.1), ("x", -2.0)]],
+                                                      ["c", [("c", -0.49), ("b", -0.51)]]]])
+    d = divergence(spec, plain)
+    assert (d["message"], d["token"]) == (1, 1)
+    assert d["plain"] == {"chose": "b", "top2": ["b", "c"], "margin": 0.02}
+    assert d["this"] == {"chose": "c", "top2": ["c", "b"], "margin": 0.02}
+
+
+def test_divergence_where_one_run_stops_or_a_tool_result_differs() -> None:
+    from benchmarks.agent import divergence
+
+    human = ["human", "hi", "[]"]
+    longer = _run([human, ["ai", "ab", "[]"]], [None, [["a", [("a", 0.0), ("b", -3.0)]],
+                                                        ["b", [("b", 0.0), ("c", -3.0)]]]])
+    shorter = _run([human, ["ai", "a", "[]"]], [None, [["a", [("a", 0.0), ("b", -3.0)]]]])
+    assert divergence(shorter, longer) == {"message": 1, "token": 1, "why": "one run ended its message here"}
+    tool_a = _run([human, ["tool", "1", "[]"]], [None, None])
+    tool_b = _run([human, ["tool", "2", "[]"]], [None, None])
+    assert divergence(tool_a, tool_b)["token"] is None
