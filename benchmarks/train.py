@@ -49,18 +49,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="results without suffix (default: benchmarks/results/train[_pair])")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--pair", action="store_true", help="LoRA-tune the 0.5B on the 1.5B's answers (see above)")
-    p.add_argument("--lora-rank", type=int, default=16, help="--pair: the adapters' rank")
+    p.add_argument("--lora-rank", type=int, default=16, help="--pair: the adapters' rank (0: full fine-tuning)")
+    p.add_argument("--drafter-dtype", default="", help="--pair: the 0.5B's dtype while it trains (default: bf16, "
+                   "the target's; float32 for full fine-tuning, whose small updates bf16 would round away)")
+    p.add_argument("--no-eval-before", action="store_true",
+                   help="skip evaluating the untrained drafter (another run measured it on the same prompts)")
     p.add_argument("--batch-size", type=int, default=8)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    args.output = args.output or ("drafters/pair-0.5b-lora" if args.pair else "drafters/bench-qwen-320-e4")
-    args.out = args.out or ("benchmarks/results/train_pair" if args.pair else "benchmarks/results/train")
+    recipe = ("lora" if args.lora_rank else "full") if args.pair else ""
+    args.output = args.output or (f"drafters/pair-0.5b-{recipe}" if args.pair else "drafters/bench-qwen-320-e4")
+    args.out = args.out or ("benchmarks/results/train_pair" + ("_full" if recipe == "full" else "") if args.pair
+                            else "benchmarks/results/train")
     common_cfg = dict(output=args.output, max_train_prompts=args.train_prompts, epochs=args.epochs,
                       max_heldout_prompts=args.heldout_prompts, max_new_tokens=args.max_new_tokens,
-                      threads=args.threads, lr=args.lr, draft_vocab=args.draft_vocab, batch_size=args.batch_size)
+                      threads=args.threads, lr=args.lr, draft_vocab=args.draft_vocab, batch_size=args.batch_size,
+                      eval_before=not args.no_eval_before)
     if args.pair:
+        drafter_dtype = args.drafter_dtype or ("bfloat16" if args.lora_rank else "float32")
         cfg = TrainConfig(**common_cfg, target=PAIR_TARGET, drafter=PAIR_DRAFTER, lora_rank=args.lora_rank,
-                          dtype="bfloat16", max_len=640, eval_ks="2,4,8,16")
+                          dtype="bfloat16", drafter_dtype=drafter_dtype, max_len=640, eval_ks="2,4,8,16")
     else:
         cfg = TrainConfig(**common_cfg, init="from-target", init_layers=args.init_layers)
     t0 = time.perf_counter()
@@ -69,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     if not report.get("finished"):
         common.log("training did not finish; nothing written")
         return 1
-    # a resumed run has no "before" (it was evaluated, and logged, by the run that started training)
+    # a resumed run has no "before" (it was evaluated, and logged, by the run that started training), nor
+    # has one run with --no-eval-before
     before, after = report.get("before", {}).get("by_k", {}), report["after"]["by_k"]
     evaluated = [r for r in (before, after) if r]
 
@@ -94,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "real_divergences": sum(d["verdict"] != "tie" for r in evaluated for v in r.values()
                                 for d in v["divergences"]),
         # a resumed run times only its own part: the minutes are then in the log of the run that trained
-        "train_minutes": None if "before" not in report else report["train_s"] / 60,
+        "train_minutes": None if report["resumed"] else report["train_s"] / 60,
         "target_responses_minutes": report["responses_s"] / 60,
         "targets": {"alpha_after": 0.85, "mean_accepted_length_k8_after": 5.0, "train_minutes": 60} if args.pair
         else {},
@@ -103,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = {"acceptance": acceptance, "meta": {"model": cfg.target, "drafter": cfg.drafter or "from-target",
                                                  "lora_rank": cfg.lora_rank, "train_dtype": cfg.dtype,
+                                                 "drafter_train_dtype": cfg.drafter_dtype or cfg.dtype,
                                                  "eval_dtype": cfg.eval_dtype, "data": cfg.data,
                                                  "split": cfg.split, "machine": common.machine_info(),
                                                  "wall_minutes": wall / 60,

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+# the names agentspec.models.resolve_dtype takes (kept here: this module must not import torch)
+DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+
 
 def _f(default: Any, help: str, required: bool = False) -> Any:
     """A field with its flag's help (``required``: ``agentspec train`` needs the flag)."""
@@ -49,6 +52,8 @@ class TrainConfig:
     eval_before: bool = _f(True, "also evaluate the untrained drafter")
     device: str = _f("auto", "auto, cpu, cuda[:N] or mps")
     dtype: str = _f("float32", "training dtype (bf16 is emulated on many CPUs; fp32 is faster there)")
+    drafter_dtype: str = _f("", "the drafter's dtype while it trains (empty: --dtype); float32 with a bf16 "
+                            "target keeps the small weight updates that bf16 rounds away")
     eval_dtype: str = _f("bfloat16", "the dtype acceptance and speed-up are measured in")
     seed: int = _f(0, "random seed")
     threads: int = _f(0, "torch threads (0: torch's default)")
@@ -65,6 +70,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.kl_weight < 0 or self.lora_rank < 0 or self.draft_vocab < 0:
             raise ValueError("lr must be > 0; kl_weight, lora_rank and draft_vocab must be >= 0")
+        for name in ("dtype", "drafter_dtype", "eval_dtype"):
+            value = getattr(self, name)
+            if value not in DTYPES and not (name == "drafter_dtype" and value == ""):
+                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
         _ = self.ks, self.temps  # parse (and so validate) eval_ks and temperatures
 
     @property

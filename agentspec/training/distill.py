@@ -93,12 +93,14 @@ def _via_verifier(cfg: TrainConfig) -> Callable[..., list[int]]:
 
 
 def init_drafter(target: models.LoadedModel, cfg: TrainConfig) -> Any:
-    """The model to train (fp32 on the target's device), sharing the target's tokenizer."""
+    """The model to train (in ``drafter_dtype``, else ``dtype``, on the target's device), sharing the target's
+    tokenizer."""
     from transformers import AutoModelForCausalLM
 
     vocab = target.model.get_output_embeddings().weight.shape[0]
     if cfg.drafter:
-        model = models.load_model(cfg.drafter, device=target.device, dtype=cfg.dtype, pack_linears=False).model
+        model = models.load_model(cfg.drafter, device=target.device, dtype=cfg.drafter_dtype or cfg.dtype,
+                                  pack_linears=False).model
         if model.get_output_embeddings().weight.shape[0] != vocab:
             raise ValueError(f"drafter {cfg.drafter!r} has another vocabulary than the target ({vocab} ids)")
         return model
@@ -107,7 +109,7 @@ def init_drafter(target: models.LoadedModel, cfg: TrainConfig) -> Any:
     if hasattr(config, "layer_types") and config.layer_types:
         config.layer_types = config.layer_types[: cfg.init_layers]
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=models.resolve_dtype(cfg.dtype))
+    model = AutoModelForCausalLM.from_config(config, dtype=models.resolve_dtype(cfg.drafter_dtype or cfg.dtype))
     source = target.model.state_dict()
     keep = {}
     for key, value in model.state_dict().items():
@@ -267,7 +269,8 @@ def _recipe(cfg: TrainConfig, num_samples: int) -> dict[str, Any]:
     keys = ("target", "drafter", "init", "init_layers", "copy_embeddings", "train_embeddings", "epochs",
             "batch_size", "lr", "warmup_steps", "weight_decay", "max_len", "kl_weight", "lora_rank", "seed", "dtype",
             "draft_vocab", "train_head")
-    return {**{k: getattr(cfg, k) for k in keys}, "samples": num_samples}
+    drafter_dtype = {"drafter_dtype": cfg.drafter_dtype} if cfg.drafter_dtype else {}  # older checkpoints lack it
+    return {**{k: getattr(cfg, k) for k in keys}, **drafter_dtype, "samples": num_samples}
 
 
 def _save_checkpoint(path: Path, model: Any, opt: Any, sched: Any, state: TrainState,

@@ -82,6 +82,7 @@ def run_training(cfg: TrainConfig, target: models.LoadedModel | None = None, sto
         eval_target = _eval_target(target, cfg)
         _say("evaluating the untrained drafter on held-out prompts")
         report["before"] = evaluate(eval_target, _as(drafter, eval_target), held_ex, cfg.ks, cfg.max_new_tokens, _say)
+    report["resumed"] = checkpoint.exists()  # then train_s times this run's part only
     t_train = time.perf_counter()
     state = distill.train(drafter, samples, cfg, checkpoint, target.model if cfg.kl_weight > 0 else None,
                           stop_after, _bar("training"))

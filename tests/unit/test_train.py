@@ -3,6 +3,7 @@ directory that loads as the server's ``--draft-model`` and as the client's edge 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -41,6 +42,8 @@ def test_config_validates_and_cli_builds_it(tmp_path):
         TrainConfig(init="magic")
     with pytest.raises(ValueError):
         TrainConfig(eval_ks="0")
+    with pytest.raises(ValueError, match="drafter_dtype"):
+        TrainConfig(drafter_dtype="float64")
     (tmp_path / "c.json").write_text(json.dumps({"epochs": 5, "lora_rank": 4}))
     cfg = TrainConfig.from_file(tmp_path / "c.json", epochs=7)
     assert (cfg.epochs, cfg.lora_rank) == (7, 4)
@@ -50,6 +53,25 @@ def test_config_validates_and_cli_builds_it(tmp_path):
     args = build_parser().parse_args(["train", "--target", "t", "--output", "o", "--epochs", "2", "--eval-before",
                                       "false"])
     assert (args.target, args.epochs, args.eval_before, args.lr) == ("t", 2, False, None)
+
+
+def test_config_dtype_names_are_the_loaders() -> None:
+    from agentspec.training.config import DTYPES
+
+    assert set(DTYPES) == set(models.loading.DTYPES) | {"auto"}
+
+
+def test_the_drafter_trains_in_its_own_dtype(tmp_path, target):
+    """A bf16 target with an fp32 drafter: the drafter is built, and trained, in fp32; the recipe says so."""
+    cfg = config(tmp_path, "mixed", dtype="bfloat16", drafter_dtype="float32")
+    bf16 = models.LoadedModel(copy.deepcopy(target.model).to(torch.bfloat16), target.tokenizer, target.name,
+                              target.device, torch.bfloat16)  # a copy: the fixture is shared
+    drafter = distill.init_drafter(bf16, cfg)
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}
+    assert {p.dtype for p in distill.init_drafter(bf16, config(tmp_path, "same", dtype="bfloat16")).parameters()
+            } == {torch.bfloat16}
+    assert distill._recipe(cfg, 3)["drafter_dtype"] == "float32"
+    assert "drafter_dtype" not in distill._recipe(config(tmp_path, "plain"), 3)  # older checkpoints resume
 
 
 def test_jsonl_and_splits(tmp_path):
