@@ -1,7 +1,7 @@
 """Agent tasks on the real pair: a LangGraph agent through ``ChatAgentSpec``, Qwen2.5-Coder-1.5B-Instruct
 verified on a server core, Qwen2.5-Coder-0.5B-Instruct drafting on the agent's core (issue 23, item 4).
 
-Run: ``python -m benchmarks.agent`` (alone on the machine; about an hour on 2 cores with native bf16) or
+Run: ``python -m benchmarks.agent`` (alone on the machine; 40-75 minutes on 2 cores with native bf16) or
 ``--quick`` (two tasks, RTT 0 only). Writes ``benchmarks/results/agent.json`` (``agent_quick.json``).
 
 The tasks (:mod:`benchmarks.agent_tasks`) are multi-step tool-using requests over a deterministic world

@@ -53,7 +53,7 @@ NOT_RUN = {
     ("make", "reliability-short"): "starts verifier processes and attacks them for minutes",
     (".venv/bin/python", "-m", "benchmarks.reliability"): "the reliability suite's long run (~40 minutes)",
     (".venv/bin/python", "-m", "benchmarks.pair"): "the pair benchmark (the 1.5B target; ~25 minutes)",
-    (".venv/bin/python", "-m", "benchmarks.agent"): "the agent benchmark (the 1.5B target; about an hour)",
+    (".venv/bin/python", "-m", "benchmarks.agent"): "the agent benchmark (the 1.5B target; 40-75 minutes)",
     (".venv/bin/python", "-m", "benchmarks.train"): "a training benchmark (tens of minutes)",
     ("make", "vllm"): "makes the vLLM venv (minutes, hundreds of MB)",
     ("make", "test-vllm"): "starts vLLM servers (make test-vllm is its own suite)",
