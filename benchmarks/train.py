@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     recipe = ("lora" if args.lora_rank else "full") if args.pair else ""
     args.output = args.output or (f"drafters/pair-0.5b-{recipe}" if args.pair else "drafters/bench-qwen-320-e4")
-    args.out = args.out or ("benchmarks/results/train_pair" + ("_full" if recipe == "full" else "") if args.pair
-                            else "benchmarks/results/train")
+    args.out = args.out or "benchmarks/results/train" + {"lora": "_pair", "full": "_pair_full", "": ""}[recipe]
     common_cfg = dict(output=args.output, max_train_prompts=args.train_prompts, epochs=args.epochs,
                       max_heldout_prompts=args.heldout_prompts, max_new_tokens=args.max_new_tokens,
                       threads=args.threads, lr=args.lr, draft_vocab=args.draft_vocab, batch_size=args.batch_size,
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = {"acceptance": acceptance, "meta": {"model": cfg.target, "drafter": cfg.drafter or "from-target",
                                                  "lora_rank": cfg.lora_rank, "train_dtype": cfg.dtype,
-                                                 "drafter_train_dtype": cfg.drafter_dtype or cfg.dtype,
+                                                 "drafter_train_dtype": cfg.drafter_train_dtype,
                                                  "eval_dtype": cfg.eval_dtype, "data": cfg.data,
                                                  "split": cfg.split, "machine": common.machine_info(),
                                                  "wall_minutes": wall / 60,

@@ -70,11 +70,15 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.kl_weight < 0 or self.lora_rank < 0 or self.draft_vocab < 0:
             raise ValueError("lr must be > 0; kl_weight, lora_rank and draft_vocab must be >= 0")
-        for name in ("dtype", "drafter_dtype", "eval_dtype"):
-            value = getattr(self, name)
-            if value not in DTYPES and not (name == "drafter_dtype" and value == ""):
-                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
+        for name, allowed in (("dtype", DTYPES), ("drafter_dtype", ("", *DTYPES)), ("eval_dtype", DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {getattr(self, name)!r}")
         _ = self.ks, self.temps  # parse (and so validate) eval_ks and temperatures
+
+    @property
+    def drafter_train_dtype(self) -> str:
+        """The dtype the drafter trains in: ``drafter_dtype``, else ``dtype``."""
+        return self.drafter_dtype or self.dtype
 
     @property
     def ks(self) -> list[int]:

@@ -93,13 +93,13 @@ def _via_verifier(cfg: TrainConfig) -> Callable[..., list[int]]:
 
 
 def init_drafter(target: models.LoadedModel, cfg: TrainConfig) -> Any:
-    """The model to train (in ``drafter_dtype``, else ``dtype``, on the target's device), sharing the target's
+    """The model to train (in ``cfg.drafter_train_dtype``, on the target's device), sharing the target's
     tokenizer."""
     from transformers import AutoModelForCausalLM
 
     vocab = target.model.get_output_embeddings().weight.shape[0]
     if cfg.drafter:
-        model = models.load_model(cfg.drafter, device=target.device, dtype=cfg.drafter_dtype or cfg.dtype,
+        model = models.load_model(cfg.drafter, device=target.device, dtype=cfg.drafter_train_dtype,
                                   pack_linears=False).model
         if model.get_output_embeddings().weight.shape[0] != vocab:
             raise ValueError(f"drafter {cfg.drafter!r} has another vocabulary than the target ({vocab} ids)")
@@ -109,7 +109,7 @@ def init_drafter(target: models.LoadedModel, cfg: TrainConfig) -> Any:
     if hasattr(config, "layer_types") and config.layer_types:
         config.layer_types = config.layer_types[: cfg.init_layers]
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=models.resolve_dtype(cfg.drafter_dtype or cfg.dtype))
+    model = AutoModelForCausalLM.from_config(config, dtype=models.resolve_dtype(cfg.drafter_train_dtype))
     source = target.model.state_dict()
     keep = {}
     for key, value in model.state_dict().items():
