@@ -48,6 +48,20 @@ def ll_tokenizer(tokenizer: Any) -> Any:
 log = logging.getLogger(__name__)
 
 
+def warm_grammar_tokenizer(tokenizer: Any) -> threading.Thread:
+    """Start building :func:`ll_tokenizer` on a daemon thread, ahead of the first request that needs it (it
+    takes seconds for a 150k vocabulary); a warning if it cannot be built. Returns the started thread."""
+    def build() -> None:
+        try:
+            ll_tokenizer(tokenizer)
+        except Exception as e:  # a tokenizer the grammar engine cannot read: constrained requests will say so
+            log.warning("could not build the grammar engine's tokenizer: %s", e)
+
+    thread = threading.Thread(target=build, name="agentspec-grammar", daemon=True)
+    thread.start()
+    return thread
+
+
 class _TokensByText:
     """A tokenizer described to llguidance by each token's decoded text (for non-byte-level vocabularies)."""
 

@@ -23,6 +23,7 @@ from agentspec.constraint import Constraint, ConstraintError, wants_constraint
 from agentspec.drafters import DraftContext, Drafter, make_drafter
 from agentspec.drafters.base import propose_round
 from agentspec.drafters.copy import LEAD, SuffixIndex
+from agentspec.drafters.grammar import warm_grammar_tokenizer
 from agentspec.protocol import (
     BASE_LEN_MISMATCH,
     Generate,
@@ -68,6 +69,7 @@ class VerifierEngine:
         self.policies: dict[str, DraftLengthPolicy] = {}
         self.copy_index = SuffixIndex()  # past outputs per API key: cross-conversation copy drafting
         self.verify_costs: dict[int, float] = {}
+        self.grammar_ready: Any = None  # the warm-up's grammar-tokenizer build
         self.ready = False
 
     # -- start-up ----------------------------------------------------------------------------------
@@ -75,8 +77,12 @@ class VerifierEngine:
     def warm_up(self) -> dict[int, float]:
         """Run the model once, measure the verify-cost curve (it seeds the server-mode draft policies).
 
-        Runs on the model thread, where the curve's timings will hold when serving."""
-        return models.on_thread(self.executor, self._warm_up)
+        Runs on the model thread, where the curve's timings will hold when serving; then the grammar engine's
+        tokenizer is built on a thread of its own, so no first tool-calling request waits for it."""
+        curve = models.on_thread(self.executor, self._warm_up)
+        if self.target.tokenizer is not None:
+            self.grammar_ready = warm_grammar_tokenizer(self.target.tokenizer)
+        return curve
 
     def _warm_up(self) -> dict[int, float]:
         ids = [t % self.vocab_size for t in range(1, 33)]

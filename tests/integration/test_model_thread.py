@@ -65,3 +65,19 @@ def test_serving_runs_torch_only_on_the_model_thread():
         client.close()
     thread.shutdown()
     assert not found, "\n".join(found[:20])
+
+
+def test_warm_up_builds_the_grammar_tokenizer_after_the_timings():
+    """The grammar engine's tokenizer (seconds for a real vocabulary) is built once the verify-cost curve is
+    measured, on a thread of its own, so no tenant's first tool-calling request waits for it."""
+    from agentspec.drafters import grammar
+
+    thread = models.model_thread("agentspec-model")
+    target = models.on_thread(thread, tiny_model, 22)
+    assert id(target.tokenizer) not in grammar._LL_TOKENIZERS  # a fresh tokenizer object: not built yet
+    with LocalVerifier(target, ServerConfig(served_model_name="tiny"), executor=thread) as v:
+        assert v.engine.verify_costs  # the curve came first
+        v.engine.grammar_ready.join(timeout=60)
+        assert not v.engine.grammar_ready.is_alive()
+        assert grammar._LL_TOKENIZERS[id(target.tokenizer)][0] is target.tokenizer
+    thread.shutdown()
