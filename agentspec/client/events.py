@@ -44,6 +44,7 @@ class SegmentStats:
     kind: str = "text"  # content kind at the segment's start: "tool" (inside a tool call's JSON) or "text"
     pipelined: int = 0  # edge rounds whose draft was made while the round before was in flight
     draft_ahead_s: float = 0.0  # local drafting overlapped with round trips (kept or discarded)
+    probe: bool = False  # the router ran this mode to re-measure it (a short segment: ModeConfig.probe_tokens)
 
 
 @dataclass

@@ -30,6 +30,7 @@ class ModeConfig:
     probe_every: int = 8
     max_probe_every: int = 128
     probe_margin: float = 0.25
+    probe_tokens: int = 8  # a probe segment's most tokens: a losing probe costs these, not a whole segment
     busy_penalty: float = 1.25
     ema: float = 0.3
     correction_ema: float = 0.15  # slower: one segment's wall time scatters by 10-20 % on a busy CPU
@@ -43,6 +44,7 @@ class ModeConfig:
                   "probe_every must be >= 1": self.probe_every >= 1,
                   "max_probe_every must be >= 1": self.max_probe_every >= 1,
                   "probe_margin must be >= 0": self.probe_margin >= 0.0,
+                  "probe_tokens must be >= 1": self.probe_tokens >= 1,
                   "busy_penalty must be >= 1": self.busy_penalty >= 1.0,
                   "ema must be in (0, 1]": 0.0 < self.ema <= 1.0,
                   "correction_ema must be in (0, 1]": 0.0 < self.correction_ema <= 1.0,
@@ -69,7 +71,7 @@ class ModePolicy:
     Until a mode's inputs exist its measured seconds per token stands in; a mode never run is tried first.
     Modes judged without running them (shadowed, or server-ar) are never probed; the others every
     ``probe_every`` segments, backing off (doubling, up to ``max_probe_every``) while probes lose by more
-    than ``probe_margin``. A switch needs the challenger ``hysteresis`` cheaper. A saturated server makes
+    than ``probe_margin``; a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger ``hysteresis`` cheaper. A saturated server makes
     server-side drafting cost ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
     """
 

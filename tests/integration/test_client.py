@@ -52,6 +52,27 @@ def test_every_mode_equals_plain_greedy(server, target, reference, mode):
     client.close()
 
 
+def test_auto_probes_run_short_segments_and_stay_lossless(server, target, reference):
+    """A probe re-measures a mode on ``probe_tokens`` tokens, not a whole segment (a losing probe is cheap);
+    other segments run the client's length; the output is plain greedy's."""
+    policy = ModePolicy(ModeConfig(probe_every=1, probe_tokens=3))
+    client = SpecClient(server.url, drafter=ModelDrafter(target), tokenizer=target.tokenizer, mode="auto",
+                        segment_tokens=8, policy=policy)
+    final = client.generate(MESSAGES, max_tokens=MAX)
+    assert final.tokens == reference
+    segments = final.stats.segments
+    probes = [s for s in segments if s.probe]
+    # a server-side segment stops at its limit; an edge one after the round that reaches it (γ + 1 at most)
+    caps = {m: 3 + (client.num_draft_tokens if m == "edge" else 0) for m in ("edge", "server", "server-ar")}
+    assert probes and all(s.tokens <= caps[s.mode] for s in probes), [(s.mode, s.tokens, s.probe) for s in segments]
+    assert any(s.tokens >= 8 for s in segments if not s.probe)  # the rest: whole 8-token segments
+    fixed = SpecClient(server.url, drafter=ModelDrafter(target), tokenizer=target.tokenizer, mode="edge",
+                       segment_tokens=8, policy=policy)  # a fixed mode never probes, whatever the policy says
+    assert not any(s.probe for s in fixed.generate(MESSAGES, max_tokens=MAX).stats.segments)
+    client.close()
+    fixed.close()
+
+
 @pytest.mark.parametrize("drafter_kind", ["right", "wrong"])
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 async def test_pipelined_edge_equals_plain_greedy(server, target, wrong_drafter_model, reference, drafter_kind,
