@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def plain_across_rtts(runs: dict[str, Any], low: str = "bf16-0") -> dict[str, int]:
+def plain_across_rtts(runs: dict[str, Any], low: str) -> dict[str, int]:
     """Per run block, the tasks whose plain transcript equals plain's at the lowest RTT in bf16 (the network
     cannot change an answer; a bf16 near-tie can, when the verifier's computation path differs, e.g. prefix
     reuse)."""
@@ -238,7 +238,7 @@ def plain_across_rtts(runs: dict[str, Any], low: str = "bf16-0") -> dict[str, in
 
 
 def completion(big: dict[str, Any], tasks: tuple[Task, ...], drafter: Any, keys: list[str], args: Any,
-               rtt_ms: float = 0.0) -> dict[str, Any]:
+               rtt_ms: float) -> dict[str, Any]:
     """Tasks each model completes correctly decoding plainly (the 1.5B from its bf16 plain runs)."""
     srv = Verifier("bfloat16", *keys, threads=1, target=DRAFTER, cpus="1")
     try:

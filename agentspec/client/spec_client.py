@@ -187,7 +187,7 @@ class SpecClient:
         seg, t0 = self._segment(run, "vllm"), time.perf_counter()
         try:
             yield from deployment_segment(run, self.deployment, self._deployment, seg,
-                                          min(self._segment_tokens(run, "vllm"), run.max_tokens - run.generated))
+                                          min(self._segment_tokens(seg), run.max_tokens - run.generated))
         finally:
             self._segment_done(run, seg, t0)
 
@@ -216,7 +216,7 @@ class SpecClient:
     def _edge_segment(self, run: Run) -> Steps:
         t = yield from self._session(run)
         seg, t0, edge = self._segment(run, "edge"), time.perf_counter(), self._edge
-        limit = self._segment_tokens(run, "edge")
+        limit = self._segment_tokens(seg)
         try:
             while run.finish is None and seg.tokens < limit:
                 body, draft_s, preview, prop = yield Call(edge.round, None, (run, seg, self.policy))
@@ -235,7 +235,7 @@ class SpecClient:
     def _server_segment(self, run: Run, mode: str) -> Steps:
         t = yield from self._session(run)
         seg, t0 = self._segment(run, mode), time.perf_counter()
-        body = run.generate_request(mode, min(self._segment_tokens(run, mode), run.max_tokens - run.generated),
+        body = run.generate_request(mode, min(self._segment_tokens(seg), run.max_tokens - run.generated),
                                     self.server_drafter)
         try:
             lines = yield Call(t.stream_lines, t.astream_lines, (f"/v1/spec/sessions/{run.sid}/generate", body))
@@ -244,11 +244,10 @@ class SpecClient:
         finally:
             self._segment_done(run, seg, t0)
 
-    def _segment_tokens(self, run: Run, mode: str) -> int:
+    def _segment_tokens(self, seg: SegmentStats) -> int:
         """The segment's token budget: the client's; a probe's is shorter (``ModeConfig.probe_tokens``), as its
         rounds judge the mode as well as a whole segment's would (the closed forms are per round)."""
-        probe = run.mode == "auto" and self.policy.probing == mode
-        return min(self.segment_tokens, self.policy.config.probe_tokens) if probe else self.segment_tokens
+        return min(self.segment_tokens, self.policy.config.probe_tokens) if seg.probe else self.segment_tokens
 
     def _segment(self, run: Run, mode: str) -> SegmentStats:
         return SegmentStats(mode, 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions), run.kind,

@@ -71,8 +71,8 @@ class ModePolicy:
     Until a mode's inputs exist its measured seconds per token stands in; a mode never run is tried first.
     Modes judged without running them (shadowed, or server-ar) are never probed; the others every
     ``probe_every`` segments, backing off (doubling, up to ``max_probe_every``) while probes lose by more
-    than ``probe_margin``; a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger ``hysteresis`` cheaper. A saturated server makes
-    server-side drafting cost ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
+    than ``probe_margin``; a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger
+    ``hysteresis`` cheaper. A saturated server makes server-side drafting cost ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
     """
 
     config: ModeConfig = field(default_factory=ModeConfig)
