@@ -17,7 +17,7 @@ import torch
 
 from agentspec import models
 from agentspec.constraint import Constraint, wants_constraint
-from agentspec.drafters.base import DraftContext, Drafter, propose_round, remember_output
+from agentspec.drafters.base import DraftContext, Drafter, propose_round, remember_output, take_catchup
 from agentspec.round_step import commit_round, forward_round, observe_round
 from agentspec.router import DraftLengthPolicy
 from agentspec.text import stop_string_cut
@@ -170,6 +170,7 @@ class SpecEngine:
             t0 = time.perf_counter()
             proposal = propose_round(self.drafter, ctx, gamma)  # 1. draft
             t1 = time.perf_counter()
+            catchup_s = take_catchup(self.drafter)[1]  # a model drafter's prefill: not a cost per drafted token
             logits, num_pending = forward_round(self.model, seq, proposal)  # 2. one target pass
             before = len(seq.generated)
             out = commit_round(seq, proposal, logits, num_pending, params, generator,  # 3. verify, commit
@@ -187,7 +188,7 @@ class SpecEngine:
                                      tree_nodes=len(proposal) if proposal.is_tree else 0, source=proposal.source)
             if policy is not None:
                 observe_round(policy, proposal, out, round_stats.verify_s if decode_pass else None,
-                              round_stats.draft_s)
+                              max(round_stats.draft_s - catchup_s, 0.0))
             seq.stats.add(round_stats, out.path_depth)
             yield RoundEvent(new, round_stats, finish)
             if finish:

@@ -13,7 +13,7 @@ from typing import Any
 
 from agentspec.client.events import SegmentStats
 from agentspec.client.run import Run
-from agentspec.drafters.base import DraftContext, propose_round
+from agentspec.drafters.base import DraftContext, propose_round, take_catchup
 from agentspec.router import ModePolicy, ema
 from agentspec.toolcalls import normalise_tools
 from agentspec.types import DraftProposal, SamplingParams
@@ -39,7 +39,8 @@ class EdgeDrafting:
     def round(self, run: Run, seg: SegmentStats,
               policy: ModePolicy) -> tuple[dict[str, Any], float, str, DraftProposal]:
         """Draft for the next edge round: (request body, critical-path drafting seconds, preview, proposal);
-        the draft made ahead is used only when the committed tokens are the ones it assumed."""
+        the draft made ahead is used only when the committed tokens are the ones it assumed. A model
+        drafter's catch-up prefill is not drafting: it goes to ``seg.catchup_s`` and the router."""
         left = run.max_tokens - run.generated - 1  # no draft at all with one token left (γ = -1)
         gamma = min(policy.gamma("edge", self.num_draft_tokens, kind=run.kind), left) if left > 0 else -1
         ahead, run.ahead = run.ahead, None
@@ -47,7 +48,10 @@ class EdgeDrafting:
             prop, draft_s = _cut(ahead[1], 0, min(len(ahead[1]), gamma + ahead[1].num_forced)), 0.0
             seg.pipelined += 1
         else:
-            prop, draft_s = self._propose(run, gamma)
+            prop, draft_s, (caught, caught_s) = self._propose(run, gamma)
+            if caught:  # a prefill: the router charges it to switching to edge, not to the tokens drafted
+                seg.catchup_s += caught_s
+                policy.observe_catchup(caught, caught_s)
         prop = prop.head(run.max_draft_tokens)  # forced spans and tree leaves ride on top of γ
         preview = ""
         if self.preview and self.tokenizer is not None and prop.tokens and not prop.is_tree:
@@ -69,14 +73,16 @@ class EdgeDrafting:
         drafts of the committed tokens are verified. Returns the drafting seconds."""
         left = run.max_tokens - run.generated - len(prop) - 2  # what the next round may draft
         hypothesis = run.tokens + list(prop.tokens)
-        nxt, seconds = self._propose(run, 1 + min(self.num_draft_tokens, left), hypothesis)
+        nxt, seconds, (_, caught_s) = self._propose(run, 1 + min(self.num_draft_tokens, left), hypothesis)
         if len(nxt) and not nxt.is_tree:
             run.ahead = ((*hypothesis, nxt.tokens[0]), _cut(nxt, 1, len(nxt)))
-        seg.draft_ahead_s += seconds
-        return seconds
+        seg.draft_ahead_s += seconds + caught_s  # a catch-up here overlapped the round trip too
+        return seconds + caught_s
 
-    def _propose(self, run: Run, gamma: int, tokens: list[int] | None = None) -> tuple[DraftProposal, float]:
-        """The drafter's proposal of ``gamma`` tokens after ``tokens`` (default: committed ones), timed."""
+    def _propose(self, run: Run, gamma: int, tokens: list[int] | None = None
+                 ) -> tuple[DraftProposal, float, tuple[int, float]]:
+        """The drafter's proposal of ``gamma`` tokens after ``tokens`` (default: committed ones), its drafting
+        seconds and, apart, the catch-up prefill it made first (tokens, seconds)."""
         t0 = time.perf_counter()
         ctx = DraftContext(run.tokens if tokens is None else tokens, len(run.prompt), run.sampling,
                            self._generator(run.sampling), tools=run.tools, tool_choice=run.tool_choice,
@@ -87,15 +93,17 @@ class EdgeDrafting:
             if ctx.constraint is None:
                 raise
             if tokens is not None:  # a hypothesis the grammar forbids: nothing worth drafting after it
-                return DraftProposal(), time.perf_counter() - t0
+                caught = take_catchup(run.drafter)
+                return DraftProposal(), time.perf_counter() - t0 - caught[1], caught
             log.warning("edge drafts no longer follow the answer's grammar: %s", e)  # the verifier's differs;
             run.constraint = False  # it still masks every round
             ctx.constraint = None
             prop = propose_round(run.drafter, ctx, gamma)
-        seconds = time.perf_counter() - t0
+        caught = take_catchup(run.drafter)
+        seconds = max(time.perf_counter() - t0 - caught[1], 0.0)
         if len(prop):
             self.round_draft_s = ema(self.round_draft_s, seconds, 0.2)
-        return prop, seconds
+        return prop, seconds, caught
 
     def _constraint(self, run: Run) -> Any:
         """The client's copy of the grammar a constrained answer is verified under (built once per run):

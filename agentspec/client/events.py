@@ -45,6 +45,7 @@ class SegmentStats:
     pipelined: int = 0  # edge rounds whose draft was made while the round before was in flight
     draft_ahead_s: float = 0.0  # local drafting overlapped with round trips (kept or discarded)
     probe: bool = False  # the router ran this mode to re-measure it (a short segment: ModeConfig.probe_tokens)
+    catchup_s: float = 0.0  # the local model drafter's prefill of tokens it had not seen (edge; not in draft_s)
 
 
 @dataclass
@@ -67,13 +68,14 @@ class ClientStats:
 
     @property
     def network_s(self) -> float:
-        """Wall time not spent computing (server compute and local drafting excluded): RTT and overheads."""
-        return sum(max(s.wall_s - s.server_s - s.draft_s, 0.0) for s in self.segments)
+        """Wall time not spent computing (server compute, local drafting and catch-up excluded): RTT and overheads."""
+        return sum(max(s.wall_s - s.server_s - s.draft_s - s.catchup_s, 0.0) for s in self.segments)
 
     def to_dict(self) -> dict[str, Any]:
         return {"modes": [s.mode for s in self.segments], "drafted": self.drafted, "accepted": self.accepted,
                 "mean_accepted_length": self.mean_accepted_length, "network_s": self.network_s,
                 "server_s": sum(s.server_s for s in self.segments), "draft_s": sum(s.draft_s for s in self.segments),
+                "catchup_s": sum(s.catchup_s for s in self.segments),
                 "pipelined_rounds": sum(s.pipelined for s in self.segments),
                 "draft_ahead_s": sum(s.draft_ahead_s for s in self.segments), "fallbacks": list(self.fallbacks),
                 "segments": [vars(s) for s in self.segments]}

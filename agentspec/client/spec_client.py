@@ -24,7 +24,7 @@ from agentspec.client.health import VerifierHealth
 from agentspec.client.ops import Call, Pools, Steps, WhileDrafting, adrive, drive
 from agentspec.client.run import Run
 from agentspec.drafters import make_drafter
-from agentspec.drafters.base import DraftContext, Drafter, remember_output
+from agentspec.drafters.base import DraftContext, Drafter, catchup_tokens, remember_output
 from agentspec.drafters.copy import SuffixIndex
 from agentspec.drafters.replay import shadow_replays
 from agentspec.protocol import SERVER_DRAFTERS, RoundReply, SessionInfo, Tokenize
@@ -162,7 +162,8 @@ class SpecClient:
     def _steps(self, run: Run) -> Steps:
         """Segments in the modes picked for them until the request is finished; then the parser's rest."""
         while run.finish is None and run.generated < run.max_tokens:
-            mode = run.mode if run.mode != "auto" else self.policy.choose(kind=run.kind, exclude=run.excluded)
+            mode = run.mode if run.mode != "auto" else self.policy.choose(
+                kind=run.kind, exclude=run.excluded, catchup_tokens=catchup_tokens(run.drafter, run.tokens))
             try:
                 if mode == "api":
                     yield from api_segment(run, self.fallback_model, self.timeout, self.api_kwargs)
@@ -275,7 +276,8 @@ class SpecClient:
         run.stats.segments.append(seg)
         if seg.tokens:
             self.policy.observe_segment(seg.mode, seg.wall_s / seg.tokens, tokens=seg.tokens, rounds=seg.rounds,
-                                        drafted=seg.drafted, draft_s=seg.draft_s, kind=seg.kind)
+                                        drafted=seg.drafted, draft_s=seg.draft_s, kind=seg.kind,
+                                        catchup_s=seg.catchup_s)
             if run.mode == "auto":  # judge the shadowed modes on the text just committed
                 config = self.policy.config
                 shadows = {m: d for m, d in self._shadows.items() if m in config.shadowed}

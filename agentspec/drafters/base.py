@@ -107,6 +107,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def catchup_tokens(drafter: Drafter | None, tokens: list[int]) -> int:
+    """Tokens ``drafter`` would prefill before drafting after ``tokens`` (a model drafter's cache behind the
+    committed tokens); 0 for drafters with nothing to catch up on."""
+    behind = getattr(drafter, "catchup_tokens", None)
+    return behind(tokens) if behind is not None else 0
+
+
+def take_catchup(drafter: Drafter | None) -> tuple[int, float]:
+    """The catch-up prefills (tokens, seconds) ``drafter`` made since the last call; (0, 0.0) for none."""
+    take = getattr(drafter, "take_catchup", None)
+    return take() if take is not None else (0, 0.0)
+
+
 def propose_round(drafter: Drafter | None, ctx: DraftContext, k: int) -> DraftProposal:
     """One round's draft: ``k`` free draft tokens (the γ policy's choice) — plus, from drafters that know
     them (``drafts_forced``), the grammar-forced tokens, which are drafted even when ``k`` is 0.

@@ -2,6 +2,9 @@
 
 ``propose`` keeps the cache's common prefix with the committed tokens and always feeds at least the last
 committed token (the target's recovered/bonus token, never seen by the drafter), then drafts ``k`` tokens.
+A first feed of :data:`CATCHUP_MIN` tokens or more is a catch-up (a new prompt, or tokens committed while
+another mode ran): a prefill, not a drafting step. It is timed apart (:meth:`ModelDrafter.take_catchup`) so
+the router charges it once to switching to edge mode instead of to every drafted token.
 Sampled drafts come from the drafter's distribution truncated to ``proposal_top_k``, sent along as ``q``
 (lossless sampling needs the exact law). ``tree_width > 1`` adds sibling leaves at no extra passes; a
 reduced output vocabulary drafts from that set only.
@@ -9,6 +12,7 @@ reduced output vocabulary drafts from that set only.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -18,6 +22,7 @@ from agentspec.drafters.base import DraftContext, common_prefix, register_drafte
 from agentspec.types import DraftProposal, SparseDist
 from agentspec.verify import sampling_probs
 
+CATCHUP_MIN = 16  # a first feed this long is a prefill; shorter ones (a recovered token, a rejected branch) draft
 
 @register_drafter("model")
 class ModelDrafter:
@@ -40,6 +45,17 @@ class ModelDrafter:
     def reset(self) -> None:
         self._cache = models.new_cache(self.model)
         self._cached: list[int] = []  # token ids whose keys/values are in self._cache
+        self._catchup = (0, 0.0)  # catch-up prefills since the last take_catchup: (tokens, seconds)
+
+    def catchup_tokens(self, tokens: list[int]) -> int:
+        """Tokens a proposal after ``tokens`` would prefill first (0 when that is an ordinary drafting step)."""
+        feed = len(tokens) - min(common_prefix(self._cached, tokens), len(tokens) - 1)
+        return feed if feed >= CATCHUP_MIN else 0
+
+    def take_catchup(self) -> tuple[int, float]:
+        """The catch-up prefills (tokens, seconds) made since the last call, and forget them."""
+        done, self._catchup = self._catchup, (0, 0.0)
+        return done
 
     def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
         if k <= 0 or not ctx.tokens:
@@ -50,6 +66,8 @@ class ModelDrafter:
         models.crop_cache(self._cache, common)
         del self._cached[common:]
         feed = ctx.tokens[common:]
+        catchup = len(feed) >= CATCHUP_MIN
+        t0 = time.perf_counter()
         # 2. draft k tokens along a chain, adding sibling leaves when tree_width > 1
         tokens: list[int] = []
         parents: list[int] = []
@@ -59,6 +77,9 @@ class ModelDrafter:
         for _ in range(k):
             logits = models.forward(self.model, feed, self._cache, num_logits=1)[-1]  # [head rows]
             self._cached.extend(feed)
+            if catchup:  # the first forward: its one drafted token's share is noise next to the prefill
+                catchup = False
+                self._catchup = (self._catchup[0] + len(feed), self._catchup[1] + time.perf_counter() - t0)
             masked = None
             if ctx.constraint is not None:  # a constrained answer: draft from the grammar-masked law
                 masked = _masked(self._full_logits(logits), ctx.constraint.allowed_after([*ctx.tokens, *chain]))

@@ -12,7 +12,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from agentspec.drafters.base import DraftContext, Drafter, TokenTrie, register_drafter
+from agentspec.drafters.base import (
+    DraftContext,
+    Drafter,
+    TokenTrie,
+    catchup_tokens,
+    register_drafter,
+    take_catchup,
+)
 from agentspec.drafters.copy import CopyDrafter
 from agentspec.drafters.grammar import GrammarDrafter
 from agentspec.types import DraftProposal
@@ -45,6 +52,14 @@ class TreeDrafter:
     def remember(self, ctx: DraftContext) -> None:
         if self.copy is not None:
             self.copy.remember(ctx)
+
+    def catchup_tokens(self, tokens: list[int]) -> int:
+        """The model drafter's catch-up before its next draft (:func:`~agentspec.drafters.base.catchup_tokens`)."""
+        return catchup_tokens(self.model, tokens)
+
+    def take_catchup(self) -> tuple[int, float]:
+        """The model drafter's catch-up prefills since the last call (tokens, seconds)."""
+        return take_catchup(self.model)
 
     def set_verify_costs(self, seconds_by_pass_len: Mapping[int, float], flat: float = 1.15,
                          most: int = 32) -> int:

@@ -95,6 +95,7 @@ class ModePolicy:
     _rtt_open_at_edge: float | None = None
     t_ds: float | None = None  # server-side draft seconds per token (EMA)
     t_d_shadow: float | None = None  # local draft seconds per token seen in the edge shadow (EMA)
+    t_catchup: float | None = None  # the local model drafter's prefill seconds per token it catches up on (EMA)
 
     @property
     def modes(self) -> list[str]:
@@ -107,9 +108,10 @@ class ModePolicy:
         judged_unrun = mode == "server-ar" or mode in self.config.shadowed
         return not judged_unrun or self.closed_form(mode, kind=kind) is None
 
-    def choose(self, kind: str = "text", exclude: frozenset[str] = frozenset()) -> str:
+    def choose(self, kind: str = "text", exclude: frozenset[str] = frozenset(), catchup_tokens: int = 0) -> str:
         """The mode for the next segment; ``kind``: what the segment starts in (``"tool"`` or ``"text"``);
-        ``exclude``: modes this request cannot run in (never all of them)."""
+        ``exclude``: modes this request cannot run in (never all of them); ``catchup_tokens``: the tokens the
+        local model drafter would prefill before its first edge draft (committed while another mode ran)."""
         c = self.config
         self.segments += 1
         modes = [m for m in self.modes if m not in exclude]
@@ -117,6 +119,8 @@ class ModePolicy:
             raise ValueError(f"every mode of {self.modes} is excluded for this request")
         untried = [m for m in modes if m not in self.seconds_per_token]
         predicted = {m: self.predicted(m, kind) for m in modes}
+        if "edge" in predicted:  # the catch-up is paid once on entering edge: spread over one segment
+            predicted["edge"] += catchup_tokens * (self.t_catchup or 0.0) / c.segment_tokens
         self.last_predictions = {m: s * 1e3 for m, s in predicted.items()}
         due = [m for m in modes if m != self.current and self._needs_probes(m, kind)
                and self.segments - self.last_used.get(m, 0) >= self.probe_interval.get(m, c.probe_every)]
@@ -183,6 +187,11 @@ class ModePolicy:
         """Draft length for the next edge round (``kind``: the content kind it drafts)."""
         return self.edge.choose(gamma_max, kind) if mode == "edge" else gamma_max
 
+    def observe_catchup(self, tokens: int, seconds: float) -> None:
+        """A catch-up prefill of the local model drafter: ``tokens`` fed at once in ``seconds``."""
+        if tokens > 0:
+            self.t_catchup = ema(self.t_catchup, seconds / tokens, self.config.ema)
+
     def observe_open(self, wall_s: float, server_s: float) -> None:
         """A session open's wall time and the server's compute in it (prefill): tracks the round trip."""
         self.rtt_open = ema(self.rtt_open, max(wall_s - server_s, 0.0), self.config.ema)
@@ -222,10 +231,17 @@ class ModePolicy:
             table[key] = (ema(old[0], mean_accepted, self.config.ema), ema(old[1], gamma, self.config.ema))
 
     def observe_segment(self, mode: str, seconds_per_token: float, *, tokens: int = 0, rounds: int = 0,
-                        drafted: int = 0, draft_s: float = 0.0, kind: str | None = None) -> None:
+                        drafted: int = 0, draft_s: float = 0.0, kind: str | None = None,
+                        catchup_s: float = 0.0) -> None:
         """A finished segment's wall seconds per committed token in ``mode`` (and, when known, its token,
-        round and draft counts, the local drafter's seconds in it and the content kind it started in)."""
+        round and draft counts, the local drafter's seconds in it and the content kind it started in).
+
+        ``catchup_s``: the local model drafter's catch-up prefill in the segment (in its wall time, not in
+        ``draft_s``). It is the price of entering the mode, which :meth:`choose` charges from the tokens to
+        catch up on; the mode's own estimates and a probe's verdict leave it out."""
         c = self.config
+        if tokens and catchup_s > 0:
+            seconds_per_token = max(seconds_per_token * tokens - catchup_s, 0.0) / tokens
         if mode == self.probing and self.current is not None and self.current != mode:
             incumbent = self.predicted(self.current, kind or "text")
             interval = self.probe_interval.get(mode, c.probe_every)

@@ -66,6 +66,10 @@ def test_auto_probes_run_short_segments_and_stay_lossless(server, target, refere
     caps = {m: 3 + (client.num_draft_tokens if m == "edge" else 0) for m in ("edge", "server", "server-ar")}
     assert probes and all(s.tokens <= caps[s.mode] for s in probes), [(s.mode, s.tokens, s.probe) for s in segments]
     assert any(s.tokens >= 8 for s in segments if not s.probe)  # the rest: whole 8-token segments
+    # the drafter's prefill of the prompt is timed apart from drafting, and the router learns its rate
+    first_edge = next(s for s in segments if s.mode == "edge")
+    assert first_edge.catchup_s > 0 and policy.t_catchup is not None
+    assert final.stats.to_dict()["catchup_s"] >= first_edge.catchup_s
     fixed = SpecClient(server.url, drafter=ModelDrafter(target), tokenizer=target.tokenizer, mode="edge",
                        segment_tokens=8, policy=policy)  # a fixed mode never probes, whatever the policy says
     assert not any(s.probe for s in fixed.generate(MESSAGES, max_tokens=MAX).stats.segments)

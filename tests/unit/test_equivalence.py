@@ -189,3 +189,28 @@ def test_text_leaves_out_the_stop_token(target, references):
     result = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=MAX_NEW))
     assert result.finish_reason == "stop" and result.tokens[-1] == stop_at
     assert result.text == target.tokenizer.decode(result.tokens[:-1])
+
+
+def test_model_drafter_times_catch_up_prefills_apart(target):
+    """A first feed of CATCHUP_MIN tokens or more (a new prompt, tokens committed in another mode) is a
+    catch-up prefill: counted and timed apart from drafting, reported once; one new token is drafting."""
+    from agentspec.drafters.model import CATCHUP_MIN
+    from agentspec.drafters.tree import TreeDrafter
+
+    drafter = ModelDrafter(target)
+    tree = TreeDrafter(model=drafter)  # the tool drafter's tree reports its model drafter's catch-up
+    prompt = [t for s in range(4) for t in make_prompt(s)][: 2 * CATCHUP_MIN]
+    assert tree.catchup_tokens(prompt) == len(prompt) and tree.take_catchup() == (0, 0.0)
+    prop = drafter.propose(DraftContext(prompt, len(prompt)), 4)
+    fed, seconds = tree.take_catchup()
+    assert fed == len(prompt) and seconds > 0
+    assert tree.take_catchup() == (0, 0.0)  # taken once
+    committed = prompt + list(prop.tokens[:2]) + [3]  # two drafts accepted, then the target's own token
+    assert drafter.catchup_tokens(committed) == 0  # one new token to feed: an ordinary drafting step
+    drafter.propose(DraftContext(committed, len(prompt)), 4)
+    assert drafter.take_catchup() == (0, 0.0)
+    later = committed + list(range(5, 5 + CATCHUP_MIN))  # committed while another mode ran
+    behind = drafter.catchup_tokens(later)  # 16, and the slots of its drafts the new tokens do not repeat
+    assert CATCHUP_MIN <= behind <= CATCHUP_MIN + 1
+    drafter.propose(DraftContext(later, len(prompt)), 2)
+    assert drafter.take_catchup()[0] == behind  # what the router was told is what the drafter fed

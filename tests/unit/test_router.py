@@ -203,6 +203,47 @@ def test_mode_policy_chooses_per_content_kind():
     assert policy.choose(kind="text") == "server-ar"
 
 
+def _edge_and_server(t_catchup: float) -> router.ModePolicy:
+    """A policy where edge rounds (3 tokens each) are a little cheaper than server mode's, both measured."""
+    policy = router.ModePolicy(router.ModeConfig(segment_tokens=16, hysteresis=0.0))
+    for g in range(5):
+        policy.server_costs.observe(g, 0.100)
+    policy.observe_open(0.0, 0.0)
+    policy.t_ds, policy.edge.draft_seconds_per_token = 0.001, 0.002
+    policy.per_round.update({"edge": (3.0, 4.0), "server": (2.5, 4.0)})
+    policy.seconds_per_token.update({m: 0.05 for m in policy.modes})
+    policy.observe_catchup(500, 500 * t_catchup)
+    return policy
+
+
+def test_mode_policy_charges_the_drafters_catch_up_to_entering_edge():
+    """Edge costs (4·2 ms + 100 ms) / 3 = 36 ms a token, server (4·1 ms + 100 ms) / 2.5 = 41.6 ms: edge wins
+    while the local drafter is up to date. 300 tokens committed in server mode would cost it a 300 × 4 ms
+    = 1.2 s prefill, 75 ms a token over a 16-token segment: server wins until edge has caught up."""
+    policy = _edge_and_server(t_catchup=0.004)
+    assert policy.t_catchup == pytest.approx(0.004)
+    assert policy.choose(catchup_tokens=300) == "server"
+    assert policy.choose(catchup_tokens=0) == "edge"
+    policy.observe_catchup(0, 0.0)  # nothing fed: nothing learned
+    assert policy.t_catchup == pytest.approx(0.004)
+
+
+def test_a_probe_is_judged_without_the_catch_up_it_paid():
+    """An edge probe whose 8 tokens took 0.3 s of rounds plus a 1.2 s catch-up prefill ran at its predicted
+    rate: it is not a lost probe (no back-off), its measured rate and the correction leave the prefill out."""
+    policy = _edge_and_server(t_catchup=0.004)
+    policy.current, policy.probing = "server", "edge"
+    rounds_s = 8 * policy.predicted("edge")
+    policy.observe_segment("edge", (rounds_s + 1.2) / 8, tokens=8, rounds=3, drafted=12, draft_s=0.024,
+                           catchup_s=1.2)
+    assert policy.probe_interval["edge"] == policy.config.probe_every
+    assert policy.seconds_per_token["edge"] < 0.05
+    assert policy.correction["edge"] < 1.1
+    policy.current, policy.probing = "server", "edge"
+    policy.observe_segment("edge", (rounds_s + 1.2) / 8, tokens=8, rounds=3, drafted=12, draft_s=0.024)
+    assert policy.probe_interval["edge"] == 2 * policy.config.probe_every  # the same time, uncounted: lost
+
+
 MAX_NEW = 40
 
 
