@@ -13,7 +13,7 @@ from typing import Any
 
 from agentspec.client.events import SegmentStats
 from agentspec.client.run import Run
-from agentspec.drafters.base import DraftContext, propose_round, take_catchup
+from agentspec.drafters.base import DraftContext, catch_up, propose_round, take_catchup
 from agentspec.router import ModePolicy, ema
 from agentspec.toolcalls import normalise_tools
 from agentspec.types import DraftProposal, SamplingParams
@@ -66,6 +66,19 @@ class EdgeDrafting:
             worth = (self.round_draft_s or 0.0) >= PIPELINE_MIN_DRAFT_S
         return (worth and len(prop) > 0 and not prop.is_tree and not getattr(run.drafter, "merges_sources", False)
                 and run.max_tokens - run.generated - len(prop) - 2 >= 0)  # γ = 0: the policy turned drafting off
+
+    def catches_up(self, run: Run) -> bool:
+        """Whether a server-side segment of ``run`` should let the local drafter catch up meanwhile: in auto,
+        while edge may be chosen, for drafters with a cache to fill, unless pipelining is off."""
+        return (run.mode == "auto" and self.pipeline is not False and "edge" not in run.excluded
+                and getattr(run.drafter, "catch_up", None) is not None)
+
+    def catch_up(self, run: Run) -> float:
+        """While a server-side segment is in flight: prefill the local drafter over the committed tokens, so
+        an edge segment (a probe, or the router's switch) does not pay for it on its critical path."""
+        t0 = time.perf_counter()
+        catch_up(run.drafter, run.tokens)
+        return time.perf_counter() - t0
 
     def draft_ahead(self, run: Run, seg: SegmentStats, prop: DraftProposal) -> float:
         """While a round is in flight: draft the round after it into ``run.ahead``, assuming the target

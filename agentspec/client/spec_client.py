@@ -47,7 +47,9 @@ class SpecClient:
     line included; each of ``retries`` attempts has its own) and litellm's ``timeout`` for the API call;
     not a deadline for the whole call. ``log_path``: opt-in chat JSONL log for ``agentspec train``.
     ``server_drafter``: the verifier's server-mode drafter. ``pipeline``: in edge mode, draft the next
-    round while this one is in flight (``None``: while drafting takes ``PIPELINE_MIN_DRAFT_S`` or more).
+    round while this one is in flight (``None``: while drafting takes ``PIPELINE_MIN_DRAFT_S`` or more);
+    in ``auto``, also let a local model drafter prefill the tokens committed in server-side modes while
+    their segments stream (``False``: neither), so switching to edge does not wait for that prefill.
     ``policy``: a router to share; its config gets this client's γ, segment length, shadowed modes and which
     of verifier and deployment it has.
     ``deployment``: an OpenAI-compatible server of the same target (vLLM, scaled out) where the ``vllm`` mode
@@ -240,8 +242,14 @@ class SpecClient:
                                     self.server_drafter)
         try:
             lines = yield Call(t.stream_lines, t.astream_lines, (f"/v1/spec/sessions/{run.sid}/generate", body))
-            while run.finish is None and (r := (yield Call(next, anext, (lines, None)))) is not None:
+            first = Call(next, anext, (lines, None))
+            if self._edge.catches_up(run):  # the local drafter prefills while the server decodes
+                r, seg.draft_ahead_s = yield WhileDrafting(first, Call(self._edge.catch_up, None, (run,)))
+            else:
+                r = yield first
+            while run.finish is None and r is not None:
                 yield from self._commit(run, seg, r, 0.0)
+                r = None if run.finish is not None else (yield Call(next, anext, (lines, None)))
         finally:
             self._segment_done(run, seg, t0)
 

@@ -114,6 +114,13 @@ def catchup_tokens(drafter: Drafter | None, tokens: list[int]) -> int:
     return behind(tokens) if behind is not None else 0
 
 
+def catch_up(drafter: Drafter | None, tokens: list[int]) -> None:
+    """Let ``drafter`` prefill over ``tokens`` now, off the critical path (drafters without a cache: nothing)."""
+    prefill = getattr(drafter, "catch_up", None)
+    if prefill is not None:
+        prefill(tokens)
+
+
 def take_catchup(drafter: Drafter | None) -> tuple[int, float]:
     """The catch-up prefills (tokens, seconds) ``drafter`` made since the last call; (0, 0.0) for none."""
     take = getattr(drafter, "take_catchup", None)

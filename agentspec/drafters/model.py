@@ -52,6 +52,19 @@ class ModelDrafter:
         feed = len(tokens) - min(common_prefix(self._cached, tokens), len(tokens) - 1)
         return feed if feed >= CATCHUP_MIN else 0
 
+    def catch_up(self, tokens: list[int]) -> None:
+        """Prefill the cache over ``tokens`` but the last (which the next proposal feeds) off the critical
+        path, e.g. while a server-side segment streams; not reported as a catch-up. Drafts stay what they
+        would have been: the cache holds exactly the keys and values of the tokens it lists."""
+        common = min(common_prefix(self._cached, tokens), len(tokens) - 1)
+        if len(tokens) - 1 - common < CATCHUP_MIN:
+            return  # a step's worth: the next proposal feeds it at no extra cost
+        models.crop_cache(self._cache, common)
+        del self._cached[common:]
+        feed = tokens[common:-1]
+        models.forward(self.model, feed, self._cache, num_logits=1)
+        self._cached.extend(feed)
+
     def take_catchup(self) -> tuple[int, float]:
         """The catch-up prefills (tokens, seconds) made since the last call, and forget them."""
         done, self._catchup = self._catchup, (0, 0.0)

@@ -16,6 +16,7 @@ from agentspec.drafters.base import (
     DraftContext,
     Drafter,
     TokenTrie,
+    catch_up,
     catchup_tokens,
     register_drafter,
     take_catchup,
@@ -56,6 +57,10 @@ class TreeDrafter:
     def catchup_tokens(self, tokens: list[int]) -> int:
         """The model drafter's catch-up before its next draft (:func:`~agentspec.drafters.base.catchup_tokens`)."""
         return catchup_tokens(self.model, tokens)
+
+    def catch_up(self, tokens: list[int]) -> None:
+        """The model drafter's prefill over ``tokens``, off the critical path."""
+        catch_up(self.model, tokens)
 
     def take_catchup(self) -> tuple[int, float]:
         """The model drafter's catch-up prefills since the last call (tokens, seconds)."""

@@ -77,6 +77,39 @@ def test_auto_probes_run_short_segments_and_stay_lossless(server, target, refere
     fixed.close()
 
 
+class ScriptedModes(ModePolicy):
+    """A router that runs the modes of ``script`` in turn (then edge) and records the catch-up it was told."""
+
+    def __init__(self, script: list[str]) -> None:
+        super().__init__(ModeConfig())
+        self.script, self.told = list(script), []
+
+    def choose(self, kind="text", exclude=frozenset(), catchup_tokens=0):
+        self.told.append(catchup_tokens)
+        return self.script.pop(0) if self.script else "edge"
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+async def test_the_edge_drafter_catches_up_while_server_segments_stream(server, target, reference, use_async):
+    """Auto, three 8-token server segments, then edge: the local model drafter prefills the prompt and the
+    server's tokens while those segments stream, so the edge segment starts caught up (no prefill on its
+    critical path, none charged by the router); with pipelining off it prefills all of them there. Both
+    outputs are plain greedy's."""
+    out = {}
+    for pipeline in (None, False):
+        policy = ScriptedModes(["server"] * 3)
+        client = SpecClient(server.url, drafter=ModelDrafter(target), tokenizer=target.tokenizer, mode="auto",
+                            segment_tokens=8, policy=policy, pipeline=pipeline)
+        final = (await client.agenerate(MESSAGES, max_tokens=MAX) if use_async
+                 else client.generate(MESSAGES, max_tokens=MAX))
+        client.close()
+        assert final.tokens == reference
+        assert [s.mode for s in final.stats.segments][:4] == ["server"] * 3 + ["edge"]
+        out[pipeline] = final.stats.segments[3].catchup_s, policy.told[3]
+    assert out[None] == (0.0, 0)
+    assert out[False][0] > 0 and out[False][1] >= 3 * 8  # the prompt and three segments' tokens
+
+
 @pytest.mark.parametrize("drafter_kind", ["right", "wrong"])
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 async def test_pipelined_edge_equals_plain_greedy(server, target, wrong_drafter_model, reference, drafter_kind,

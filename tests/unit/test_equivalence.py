@@ -214,3 +214,19 @@ def test_model_drafter_times_catch_up_prefills_apart(target):
     assert CATCHUP_MIN <= behind <= CATCHUP_MIN + 1
     drafter.propose(DraftContext(later, len(prompt)), 2)
     assert drafter.take_catchup()[0] == behind  # what the router was told is what the drafter fed
+
+
+def test_model_drafter_catch_up_off_the_critical_path_changes_no_draft(target):
+    """``catch_up`` prefills all but the last committed token ahead of time (not reported as a catch-up):
+    the next proposal then feeds one token and drafts what a drafter that never caught up drafts."""
+    from agentspec.drafters.model import CATCHUP_MIN
+
+    tokens = [t for s in range(3) for t in make_prompt(s)]
+    ahead, cold = ModelDrafter(target), ModelDrafter(target)
+    ahead.catch_up(tokens[: CATCHUP_MIN - 1])  # too few to be worth a prefill of its own: left to propose
+    assert ahead.catchup_tokens(tokens) == len(tokens)
+    ahead.catch_up(tokens)
+    assert ahead.catchup_tokens(tokens) == 0 and ahead.take_catchup() == (0, 0.0)
+    ctx = DraftContext(tokens, len(tokens))
+    assert ahead.propose(ctx, 6).tokens == cold.propose(ctx, 6).tokens
+    assert ahead.take_catchup() == (0, 0.0) and cold.take_catchup()[0] == len(tokens)
