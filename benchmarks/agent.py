@@ -12,6 +12,8 @@ in rotated order per task, with its own API key (no method reuses another's prom
 * ``plain`` — ``server-ar``, one request per model call: one target pass per token (the reference);
 * ``server`` — the verifier drafts (grammar + copy), one request per model call;
 * ``edge_0.5b`` — the agent's machine drafts with the 0.5B merged into the grammar + copy tree;
+* ``edge_tuned`` — the same with the 0.5B fine-tuned on the 1.5B's answers (``--tuned-drafter``, made by
+  ``python -m benchmarks.train --pair``), so the edge speed-up before and after fine-tuning is measured side by side;
 * ``auto`` — the router chooses per segment among edge (0.5B), server and server-ar.
 
 Per task: model time (every model call's wall time, prefill and network included), steps, the modes used,
@@ -45,7 +47,8 @@ from benchmarks.delay_proxy import DelayProxy
 from benchmarks.server import Verifier
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-MODE = {"plain": "server-ar", "server": "server", "edge_0.5b": "edge", "auto": "auto"}
+MODE = {"plain": "server-ar", "server": "server", "edge_0.5b": "edge", "edge_tuned": "edge", "auto": "auto"}
+TUNED = "drafters/pair-0.5b-lora"  # benchmarks.train --pair's output
 WARM = "Reply with one short sentence: what is a tool call?"
 # --system-prompt: none by default (the chat template's own). Without one the 1.5B often repeats a call after
 # its result; a step-by-step prompt (below) made it write long free-text plans with made-up tool results instead.
@@ -54,14 +57,16 @@ STEP_BY_STEP = ("Answer the user's request using the tools. Work step by step: c
                 "final answer in plain text citing the results.")
 
 
-def make_model(url: str, method: str, key: str, drafter: Any, args: Any) -> ChatAgentSpec:
-    """The agent's chat model for ``method``; plain sends each call as one request (as a plain client)."""
+def make_model(url: str, method: str, key: str, drafters: dict[str, Any], args: Any) -> ChatAgentSpec:
+    """The agent's chat model for ``method``; plain sends each call as one request (as a plain client).
+    ``drafters``: the local models, ``"0.5b"`` (edge_0.5b and auto) and ``"tuned"`` (edge_tuned)."""
     whole = method == "plain"
+    local = {"edge_0.5b": "0.5b", "auto": "0.5b", "edge_tuned": "tuned"}.get(method)
     return ChatAgentSpec(model=TARGET, base_url=url, api_key=key, mode=MODE[method], temperature=0,
                          max_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                          segment_tokens=args.max_new_tokens if whole else args.segment_tokens,
-                         drafter=ModelDrafter(drafter) if method in ("edge_0.5b", "auto") else None,
-                         tokenizer=drafter.tokenizer, timeout=900, logprobs=True, top_logprobs=2)
+                         drafter=ModelDrafter(drafters[local]) if local else None,
+                         tokenizer=drafters["0.5b"].tokenizer, timeout=900, logprobs=True, top_logprobs=2)
 
 
 def run_task(model: ChatAgentSpec, task: Task, max_steps: int, system_prompt: str | None) -> dict[str, Any]:
@@ -76,7 +81,8 @@ def run_task(model: ChatAgentSpec, task: Task, max_steps: int, system_prompt: st
         rows.append({"seconds": c.seconds, "tokens": c.tokens, "kind": "tool_call" if c.tool_calls else "answer",
                      "modes": c.stats.get("modes", []),
                      "decode_s": sum(s["wall_s"] for s in seg), "decode_tokens": sum(s["tokens"] for s in seg),
-                     "rounds": sum(s["rounds"] for s in seg)})
+                     "rounds": sum(s["rounds"] for s in seg),
+                     "catchup_s": round(sum(s["catchup_s"] for s in seg), 3)})  # the 0.5B's prefills (edge)
     return {"calls": rows, "model_s": sum(c.seconds for c in calls), "steps": len(calls),
             "transcript": json.dumps([transcript(messages), world.files, world.sent, world.conversions]),
             "correct": task.check(world, final_answer(messages)), "answer": final_answer(messages)[:400],
@@ -110,12 +116,12 @@ def divergence(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     return {"message": i, "token": j, "plain": side(b[j]), "this": side(a[j])}
 
 
-def run_rtt(srv: Verifier, rtt_ms: float, methods: tuple[str, ...], tasks: tuple[Task, ...], drafter: Any,
-            args: Any, tag: str) -> dict[str, dict[str, Any]]:
+def run_rtt(srv: Verifier, rtt_ms: float, methods: tuple[str, ...], tasks: tuple[Task, ...],
+            drafters: dict[str, Any], args: Any, tag: str) -> dict[str, dict[str, Any]]:
     """Every method on every task at one injected RTT; returns ``{method: {task id: run}}``."""
     with DelayProxy("127.0.0.1", srv.port, rtt_ms / 2e3) if rtt_ms else contextlib.nullcontext() as proxy:
         url = f"http://127.0.0.1:{proxy.port}" if proxy else srv.url
-        chat = {m: make_model(url, m, f"{tag}-{m}-{rtt_ms:g}", drafter, args) for m in methods}
+        chat = {m: make_model(url, m, f"{tag}-{m}-{rtt_ms:g}", drafters, args) for m in methods}
         for m in methods:  # untimed: first requests, and the router's first look at each mode (auto tries
             for _ in range(3 if m == "auto" else 1):  # an untried mode first: one short call per mode)
                 chat[m].invoke(WARM, max_tokens=24)
@@ -155,6 +161,7 @@ def summarise_rtt(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                                           / pooled(m, "decode_s", "decode_tokens"), 3),
                   "task_e2e_speedup": {t: round(ref[t]["model_s"] / r["model_s"], 3) for t, r in runs[m].items()},
                   "model_s_total": round(sum(r["model_s"] for r in runs[m].values()), 2),
+                  "catchup_s_total": round(sum(c["catchup_s"] for r in runs[m].values() for c in r["calls"]), 2),
                   "tokens_per_round_by_kind": by_kind, "segments_by_mode": modes,
                   "identical_to_plain": sum(r["transcript"] == ref[t]["transcript"] for t, r in runs[m].items()),
                   "divergences": {t: divergence(r, ref[t]) for t, r in runs[m].items()
@@ -182,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segment-tokens", type=int, default=32, help="server, edge and auto segments")
     ap.add_argument("--system-prompt", default="", help="the agent's system prompt (default: none; "
                     "'step-by-step': the prompt STEP_BY_STEP)")
+    ap.add_argument("--tuned-drafter", default=TUNED, help="the fine-tuned 0.5B of the edge_tuned method "
+                    "(a drafter directory; 'none' leaves the method out)")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 lossless check")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/agent")
@@ -191,9 +200,15 @@ def main(argv: list[str] | None = None) -> int:
         args.tasks, args.rtts, args.no_fp32, args.out = 2, "0", True, args.out + "_quick"
     os.sched_setaffinity(0, {0})  # the agent's machine: core 0; the verifier is pinned to core 1
     torch.set_num_threads(1)
-    tasks, methods = TASKS[: args.tasks], tuple(MODE)
+    tasks, methods = TASKS[: args.tasks], tuple(m for m in MODE if m != "edge_tuned" or args.tuned_drafter != "none")
     rtts = [float(r) for r in args.rtts.split(",")]
-    drafter = models.load_model(DRAFTER, device="cpu", dtype="bfloat16")
+    drafters = {"0.5b": models.load_model(DRAFTER, device="cpu", dtype="bfloat16")}
+    drafter = drafters["0.5b"]
+    if "edge_tuned" in methods:
+        if not Path(args.tuned_drafter, "config.json").is_file():
+            ap.error(f"--tuned-drafter {args.tuned_drafter}: no drafter there; make one with `python -m "
+                     "benchmarks.train --pair`, or pass --tuned-drafter none to leave edge_tuned out")
+        drafters["tuned"] = models.load_model(args.tuned_drafter, device="cpu", dtype="bfloat16")
     keys = [a for tag in ("bf16", "fp32", "small") for m in methods for r in rtts for a in ("--api-key",
                                                                                           f"{tag}-{m}-{r:g}")]
     result: dict[str, Any] = {"rtt": {}, "runs": {}}
@@ -202,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     result["verifier_load_s"], result["verifier_peak_rss_bytes"] = round(time.perf_counter() - t0, 1), 0
     try:
         for r in rtts:
-            runs = run_rtt(srv, r, methods, tasks, drafter, args, "bf16")
+            runs = run_rtt(srv, r, methods, tasks, drafters, args, "bf16")
             result["rtt"][f"{r:g}"], result["runs"][f"bf16-{r:g}"] = summarise_rtt(runs), runs
         result["verifier_peak_rss_bytes"] = srv.peak_rss()
     finally:
@@ -210,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_fp32:
         srv = Verifier("float32", *keys, threads=1, target=TARGET, cpus="1")
         try:
-            runs = run_rtt(srv, 0.0, methods, tasks, drafter, args, "fp32")
+            runs = run_rtt(srv, 0.0, methods, tasks, drafters, args, "fp32")
             result["fp32"], result["runs"]["fp32-0"] = summarise_rtt(runs), runs
         finally:
             srv.close()
@@ -222,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         for by_task in block.values():
             for r in by_task.values():
                 r.pop("logprobs", None)
-    result = {"acceptance": accept, **result, "setup": setup(args, tasks)}
+    result = {"acceptance": accept, **result, "setup": setup(args, tasks, methods)}
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(accept, indent=1))
     return 0
@@ -290,13 +305,15 @@ def acceptance(result: dict[str, Any], rtts: list[float], args: Any) -> dict[str
     }
 
 
-def setup(args: Any, tasks: tuple[Task, ...]) -> dict[str, Any]:
-    return {"target": TARGET, "drafter": DRAFTER, "dtype": "bfloat16 (fp32: the lossless check)",
+def setup(args: Any, tasks: tuple[Task, ...], methods: tuple[str, ...]) -> dict[str, Any]:
+    return {"target": TARGET, "drafter": DRAFTER, "methods": {m: MODE[m] for m in methods},
+            "tuned_drafter": args.tuned_drafter if "edge_tuned" in methods else None,
+            "dtype": "bfloat16 (fp32: the lossless check)",
             "tasks": {t.id: t.prompt for t in tasks}, "max_new_tokens": args.max_new_tokens,
             "max_steps": args.max_steps, "system_prompt": args.system_prompt, "num_draft_tokens": args.num_draft_tokens,
             "segment_tokens": {"plain": args.max_new_tokens, "server, edge_0.5b, auto": args.segment_tokens},
             "server": "agentspec-verifier, taskset core 1, 1 thread, no draft model",
-            "client": "core 0, 1 thread: the LangGraph agent and the 0.5B drafter (bf16)",
+            "client": "core 0, 1 thread: the LangGraph agent and the 0.5B drafters (bf16)",
             "rtt": "DelayProxy on loopback, half the RTT each way", "machine": common.machine_info()}
 
 
