@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rtts:
             runs = run_rtt(srv, r, methods, tasks, drafters, args, "bf16")
             result["rtt"][f"{r:g}"], result["runs"][f"bf16-{r:g}"] = summarise_rtt(runs), runs
+            partial(result, args)
         result["verifier_peak_rss_bytes"] = srv.peak_rss()
     finally:
         srv.close()
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             runs = run_rtt(srv, 0.0, methods, tasks, drafters, args, "fp32")
             result["fp32"], result["runs"]["fp32-0"] = summarise_rtt(runs), runs
+            partial(result, args)
         finally:
             srv.close()
     low = f"bf16-{min(rtts):g}"  # the lowest RTT run: 0 ms unless --rtts leaves it out
@@ -239,8 +241,14 @@ def main(argv: list[str] | None = None) -> int:
                 r.pop("logprobs", None)
     result = {"acceptance": accept, **result, "setup": setup(args, tasks, methods)}
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+    Path(args.out + ".partial.json").unlink(missing_ok=True)
     print(json.dumps(accept, indent=1))
     return 0
+
+
+def partial(result: dict[str, Any], args: Any) -> None:
+    """The blocks run so far (``<out>.partial.json``, no acceptance yet): a long run cut short keeps them."""
+    Path(args.out + ".partial.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 def plain_across_rtts(runs: dict[str, Any], low: str) -> dict[str, int]:
