@@ -27,6 +27,12 @@ FILES = {
     ),
 }
 WEATHER = {"lisbon": 21, "oslo": -3, "buenos aires": 17}
+# The agent's system prompt. Without one, Qwen2.5-Coder-1.5B repeats a tool call after its result (the
+# template's <tool_response> turn reads to it like a new request) instead of answering; this wording made it
+# answer, and left the 0.5B's answers as they were. Prompts that listed steps made it invent tool results.
+AGENT_RULES = ("You are a helpful assistant with tools. A tool result in a <tool_response> answers the call "
+               "before it: never repeat a call that already has a result. When the results hold what the user "
+               "asked for, answer the user in plain text, without XML tags.")
 TASKS = [
     "Show me the full content of the file stats.py.",
     "What is the weather in Lisbon, in celsius?",
@@ -44,6 +50,8 @@ class DemoConfig:
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda[:N] or mps"})
     num_draft_tokens: int = field(default=12, metadata={"help": "most draft tokens per round"})
     max_new_tokens: int = field(default=320, metadata={"help": "most tokens per model call"})
+    system_prompt: str = field(default=AGENT_RULES, metadata={
+        "help": "the agent's system prompt ('' for none: the chat template's own)"})
 
 
 @dataclass
@@ -107,7 +115,6 @@ def run_agent(model: Any, task: str, tools: list[Any], recursion_limit: int = 8,
 
     from langgraph.errors import GraphRecursionError
 
-    # the demo passes no system prompt: one made the 0.5B misname tools
     agent = create_agent(model, tools, system_prompt=system_prompt)
     state: dict[str, Any] = {"messages": []}
     try:
@@ -154,13 +161,15 @@ def run_demo(config: DemoConfig = DemoConfig()) -> int:
             model("server-ar").invoke(warm, max_tokens=16)
             spec_model.invoke(warm, max_tokens=3 * 16)
         all_same, total_plain, total_spec = True, 0.0, 0.0
+        rules = config.system_prompt or None
         for n, task in enumerate(TASKS, 1):
             console.rule(f"task {n}: {task}")
             plain_files, spec_files = dict(FILES), dict(FILES)  # each run edits a fresh copy of the project
             with console.status("plain decoding (server-ar)"):
-                plain_calls, plain_msgs = run_agent(model("server-ar"), task, make_tools(plain_files))
+                plain_calls, plain_msgs = run_agent(model("server-ar"), task, make_tools(plain_files),
+                                                    system_prompt=rules)
             with console.status("agentspec (speculative, auto routing)"):
-                spec_calls, spec_msgs = run_agent(spec_model, task, make_tools(spec_files))
+                spec_calls, spec_msgs = run_agent(spec_model, task, make_tools(spec_files), system_prompt=rules)
             same = transcript(plain_msgs) == transcript(spec_msgs) and plain_files == spec_files
             all_same &= same
             _print_run(console, spec_msgs, spec_files)

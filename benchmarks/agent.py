@@ -38,7 +38,7 @@ import torch
 
 from agentspec import models
 from agentspec.adapters.langchain import ChatAgentSpec
-from agentspec.demo import run_agent, transcript
+from agentspec.demo import AGENT_RULES, run_agent, transcript
 from agentspec.drafters import ModelDrafter
 from benchmarks import common
 from benchmarks.agent_tasks import TASKS, Task, World, final_answer
@@ -50,8 +50,9 @@ TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 MODE = {"plain": "server-ar", "server": "server", "edge_0.5b": "edge", "edge_tuned": "edge", "auto": "auto"}
 TUNED = "drafters/pair-0.5b-lora"  # benchmarks.train --pair's output
 WARM = "Reply with one short sentence: what is a tool call?"
-# --system-prompt: none by default (the chat template's own). Without one the 1.5B often repeats a call after
-# its result; a step-by-step prompt (below) made it write long free-text plans with made-up tool results instead.
+# --system-prompt: the demo's AGENT_RULES by default. With none (the chat template's own) the 1.5B often repeats
+# a call after its result; a step-by-step prompt (below) made it write long free-text plans with made-up tool
+# results instead.
 STEP_BY_STEP = ("Answer the user's request using the tools. Work step by step: call one tool, read its result, "
                 "then either call another tool for the next missing fact or, when nothing is missing, give the "
                 "final answer in plain text citing the results.")
@@ -187,15 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=4, help="most model calls per task")
     ap.add_argument("--num-draft-tokens", type=int, default=6)
     ap.add_argument("--segment-tokens", type=int, default=32, help="server, edge and auto segments")
-    ap.add_argument("--system-prompt", default="", help="the agent's system prompt (default: none; "
-                    "'step-by-step': the prompt STEP_BY_STEP)")
+    ap.add_argument("--system-prompt", default="rules", help="the agent's system prompt: 'rules' (default: the "
+                    "demo's AGENT_RULES), 'none' (the chat template's own), 'step-by-step' (STEP_BY_STEP) or the text")
     ap.add_argument("--tuned-drafter", default=TUNED, help="the fine-tuned 0.5B of the edge_tuned method "
                     "(a drafter directory; 'none' leaves the method out)")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 lossless check")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/agent")
     args = ap.parse_args(argv)
-    args.system_prompt = STEP_BY_STEP if args.system_prompt == "step-by-step" else args.system_prompt or None
+    args.system_prompt = {"rules": AGENT_RULES, "none": None, "step-by-step": STEP_BY_STEP}.get(
+        args.system_prompt, args.system_prompt) or None
     if args.quick:
         args.tasks, args.rtts, args.no_fp32, args.out = 2, "0", True, args.out + "_quick"
     os.sched_setaffinity(0, {0})  # the agent's machine: core 0; the verifier is pinned to core 1

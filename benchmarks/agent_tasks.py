@@ -63,6 +63,10 @@ class World:
 
 
 def _mentions(answer: str, *needles: str) -> bool:
+    """The answer is prose for the user that names every needle. A tool call written as text, or a tool
+    result pasted back (JSON, a ``<tool_response>`` block, a fence) answers no one, even if it holds the facts."""
+    if answer.lstrip().startswith(("{", "[", "<", "```")):
+        return False
     flat = answer.replace(",", "").replace("\u2212", "-").lower()
     return all(n.lower() in flat for n in needles)
 

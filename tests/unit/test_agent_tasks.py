@@ -60,6 +60,10 @@ def test_wrong_end_states_fail() -> None:
     tools(w)["write_file"].invoke({"path": "stats.py", "content": "def mean(v):\n    raise SystemExit\n"})
     assert not checks["fix_mean"](w, "")
     assert not checks["weather"](World(), "Lisbon is 21 °C.")
+    pasted = '{"order_id": "B-2210", "status": "processing", "customer": {"name": "Jon Berg"}}'
+    for text in (pasted, f"<tool_response>\n{pasted}\n</tool_response>", f"```json\n{pasted}\n```"):
+        assert not checks["order_status"](World(), text), "a pasted tool result is not an answer"
+    assert checks["order_status"](World(), "It is processing; the customer is Jon Berg.")
 
 
 def test_final_answer_is_the_last_ai_text() -> None:
