@@ -190,12 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segment-tokens", type=int, default=32, help="server, edge and auto segments")
     ap.add_argument("--system-prompt", default="rules", help="the agent's system prompt: 'rules' (default: the "
                     "demo's AGENT_RULES), 'none' (the chat template's own), 'step-by-step' (STEP_BY_STEP) or the text")
-    ap.add_argument("--tuned-drafter", default=TUNED, help="the fine-tuned 0.5B of the edge_tuned method "
-                    "(a drafter directory; 'none' leaves the method out)")
+    ap.add_argument("--tuned-drafter", default="auto", help="the fine-tuned 0.5B of the edge_tuned method "
+                    "(a drafter directory; 'none' leaves the method out; default 'auto': "
+                    f"{TUNED} if it exists, else none)")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 lossless check")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/agent")
     args = ap.parse_args(argv)
+    if args.tuned_drafter == "auto":  # a fresh clone has none: run without it rather than fail
+        args.tuned_drafter = TUNED if Path(TUNED, "config.json").is_file() else "none"
+        if args.tuned_drafter == "none":
+            log(f"no fine-tuned drafter at {TUNED} (python -m benchmarks.train --pair makes one): edge_tuned left out")
     args.system_prompt = {"rules": AGENT_RULES, "none": None, "step-by-step": STEP_BY_STEP}.get(
         args.system_prompt, args.system_prompt) or None
     if args.quick:

@@ -50,6 +50,14 @@ def test_every_flag_has_help_and_shows_its_default(command):
     assert "(default: " in parser.format_help()
 
 
+def test_demo_system_prompt_defaults_to_the_rules_and_can_be_emptied():
+    from agentspec.demo import AGENT_RULES, DemoConfig
+
+    assert DemoConfig().system_prompt == AGENT_RULES
+    assert subparser("demo").parse_args([]).system_prompt == AGENT_RULES
+    assert subparser("demo").parse_args(["--system-prompt", ""]).system_prompt == ""
+
+
 def test_boolean_flags_are_strict(capsys):
     base = ["train", "--target", "t", "--output", "o"]
     for text, value in [("true", True), ("TRUE", True), ("1", True), ("Yes", True), ("false", False),
