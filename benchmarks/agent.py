@@ -83,7 +83,10 @@ def run_task(model: ChatAgentSpec, task: Task, max_steps: int, system_prompt: st
                      "modes": c.stats.get("modes", []),
                      "decode_s": sum(s["wall_s"] for s in seg), "decode_tokens": sum(s["tokens"] for s in seg),
                      "rounds": sum(s["rounds"] for s in seg),
-                     "catchup_s": round(sum(s["catchup_s"] for s in seg), 3)})  # the 0.5B's prefills (edge)
+                     "catchup_s": round(sum(s["catchup_s"] for s in seg), 3),  # the 0.5B's prefills (edge)
+                     # edge drafting on the critical path, and the rounds whose draft was made ahead (pipelined)
+                     "draft_s": round(sum(s["draft_s"] for s in seg), 3),
+                     "pipelined": sum(s["pipelined"] for s in seg)})
     return {"calls": rows, "model_s": sum(c.seconds for c in calls), "steps": len(calls),
             "transcript": json.dumps([transcript(messages), world.files, world.sent, world.conversions]),
             "correct": task.check(world, final_answer(messages)), "answer": final_answer(messages)[:400],
@@ -163,6 +166,9 @@ def summarise_rtt(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                   "task_e2e_speedup": {t: round(ref[t]["model_s"] / r["model_s"], 3) for t, r in runs[m].items()},
                   "model_s_total": round(sum(r["model_s"] for r in runs[m].values()), 2),
                   "catchup_s_total": round(sum(c["catchup_s"] for r in runs[m].values() for c in r["calls"]), 2),
+                  "draft_s_total": round(sum(c.get("draft_s", 0.0) for r in runs[m].values() for c in r["calls"]), 2),
+                  "pipelined_rounds": f"{sum(c.get('pipelined', 0) for r in runs[m].values() for c in r['calls'])}"
+                                      f"/{sum(c['rounds'] for r in runs[m].values() for c in r['calls'])}",
                   "tokens_per_round_by_kind": by_kind, "segments_by_mode": modes,
                   "identical_to_plain": sum(r["transcript"] == ref[t]["transcript"] for t, r in runs[m].items()),
                   "divergences": {t: divergence(r, ref[t]) for t, r in runs[m].items()
