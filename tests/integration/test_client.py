@@ -136,6 +136,27 @@ async def test_pipelined_edge_equals_plain_greedy(server, target, wrong_drafter_
         assert on["pipelined_rounds"] < sum(s.rounds for s in finals[True].stats.segments) // 2
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_pipelined_edge_with_the_tool_drafter_equals_plain_greedy(server, target):
+    """With tools the client drafts through its tree (grammar + copy + the model): the round after one in
+    flight is drafted ahead too, used only when its hypothesis holds, and the output is plain greedy's
+    (``server-ar`` with the same tools) with pipelining on, off or by default (off for the tool drafter)."""
+    plain = SpecClient(server.url, tokenizer=target.tokenizer, mode="server-ar")
+    reference = plain.generate(MESSAGES, TOOLS, max_tokens=MAX).tokens
+    plain.close()
+    for pipeline in (True, False, None):
+        client = SpecClient(server.url, drafter=ModelDrafter(target), tokenizer=target.tokenizer, mode="edge",
+                            num_draft_tokens=3, pipeline=pipeline)
+        assert client.tool_drafter is not None
+        final = client.generate(MESSAGES, TOOLS, max_tokens=MAX)
+        client.close()
+        assert final.tokens == reference
+        assert (final.stats.to_dict()["pipelined_rounds"] > 0) is (pipeline is True)
+
+
 def test_pipelined_sampled_edge_matches_the_target_law(server, target):
     """Sampled edge mode with drafts made in flight (the drafter is the target with a perturbed head, so
     q != p, and a draft ahead is used only after the target happened to emit the drafter's guess): the law
