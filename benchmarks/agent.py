@@ -150,25 +150,24 @@ def summarise_rtt(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     ref = runs["plain"]
     out: dict[str, Any] = {}
     for m in runs:
+        every = [c for r in runs[m].values() for c in r["calls"]]
+        total = {k: sum(c[k] for c in every) for k in ("catchup_s", "draft_s", "pipelined", "rounds")}
         by_kind = {}  # a call's kind: a tool call (JSON arguments) or a text answer
         for k in ("tool_call", "answer"):
-            calls = [c for r in runs[m].values() for c in r["calls"] if c["kind"] == k]
+            calls = [c for c in every if c["kind"] == k]
             rounds = sum(c["rounds"] for c in calls)
             by_kind[k] = round(sum(c["decode_tokens"] for c in calls) / rounds, 3) if rounds else None
         modes: dict[str, int] = {}
-        for r in runs[m].values():
-            for c in r["calls"]:
-                for mode in c["modes"]:
-                    modes[mode] = modes.get(mode, 0) + 1
+        for c in every:
+            for mode in c["modes"]:
+                modes[mode] = modes.get(mode, 0) + 1
         out[m] = {"decode_ms_per_token": round(1e3 * pooled(m, "decode_s", "decode_tokens"), 2),
                   "decode_speedup": round(pooled("plain", "decode_s", "decode_tokens")
                                           / pooled(m, "decode_s", "decode_tokens"), 3),
                   "task_e2e_speedup": {t: round(ref[t]["model_s"] / r["model_s"], 3) for t, r in runs[m].items()},
                   "model_s_total": round(sum(r["model_s"] for r in runs[m].values()), 2),
-                  "catchup_s_total": round(sum(c["catchup_s"] for r in runs[m].values() for c in r["calls"]), 2),
-                  "draft_s_total": round(sum(c.get("draft_s", 0.0) for r in runs[m].values() for c in r["calls"]), 2),
-                  "pipelined_rounds": f"{sum(c.get('pipelined', 0) for r in runs[m].values() for c in r['calls'])}"
-                                      f"/{sum(c['rounds'] for r in runs[m].values() for c in r['calls'])}",
+                  "catchup_s_total": round(total["catchup_s"], 2), "draft_s_total": round(total["draft_s"], 2),
+                  "pipelined_rounds": f"{total['pipelined']}/{total['rounds']}",
                   "tokens_per_round_by_kind": by_kind, "segments_by_mode": modes,
                   "identical_to_plain": sum(r["transcript"] == ref[t]["transcript"] for t, r in runs[m].items()),
                   "divergences": {t: divergence(r, ref[t]) for t, r in runs[m].items()

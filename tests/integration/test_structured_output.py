@@ -18,6 +18,8 @@ from tests.integration.server import LoopbackServer, config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 QWEN = "qwen2.5-coder-0.5b-instruct"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 CITIES = ["Paris", "Tokyo", "Lisbon", "Nairobi", "Lima", "Oslo", "Cairo", "Hanoi", "Quito", "Perth"]
 
 
@@ -68,11 +70,9 @@ def test_openai_parse_and_required_tool_choice(qwen_server):
     city = done.choices[0].message.parsed
     assert isinstance(city, City) and city.name
     # a prompt that invites prose, with a required tool: the answer is a call, arguments valid
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice_of_tool in ("required", named):
-        reply = client.chat.completions.create(model=QWEN, max_tokens=64, tools=tools, tool_choice=choice_of_tool,
+        reply = client.chat.completions.create(model=QWEN, max_tokens=64, tools=TOOLS, tool_choice=choice_of_tool,
                                                parallel_tool_calls=False,
                                                messages=[{"role": "user", "content": "Tell me a joke."}])
         choice = reply.choices[0]
@@ -102,17 +102,14 @@ def test_pipelined_edge_tool_call_equals_plain(qwen_server, qwen):
     from agentspec.client import SpecClient
     from agentspec.drafters import ModelDrafter
 
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                               "parameters": {"type": "object", "properties": {
-                                                   "city": {"type": "string"}}, "required": ["city"]}}}]
     messages = [{"role": "user", "content": "What is the weather in Lisbon right now?"}]
     plain = SpecClient(qwen_server.url, tokenizer=qwen.tokenizer, mode="server-ar")
-    reference = plain.generate(messages, tools, max_tokens=64)
+    reference = plain.generate(messages, TOOLS, max_tokens=64)
     plain.close()
     assert reference.tool_calls, "the prompt must make the target call the tool, or the grammar never engages"
     client = SpecClient(qwen_server.url, drafter=ModelDrafter(qwen), tokenizer=qwen.tokenizer, mode="edge",
                         num_draft_tokens=4, pipeline=True)
-    final = client.generate(messages, tools, max_tokens=64)
+    final = client.generate(messages, TOOLS, max_tokens=64)
     client.close()
     assert final.tokens == reference.tokens
     assert [(c.name, c.arguments) for c in final.tool_calls] == [(c.name, c.arguments) for c in reference.tool_calls]
