@@ -14,7 +14,13 @@ in rotated order per task, with its own API key (no method reuses another's prom
 * ``edge_0.5b`` — the agent's machine drafts with the 0.5B merged into the grammar + copy tree;
 * ``edge_tuned`` — the same with the 0.5B fine-tuned on the 1.5B's answers (``--tuned-drafter``, made by
   ``python -m benchmarks.train --pair``), so the edge speed-up before and after fine-tuning is measured side by side;
-* ``auto`` — the router chooses per segment among edge (0.5B), server and server-ar.
+* ``edge_small`` — the same with the wave-1 recipe's drafter: the 1.5B's own first two layers trained on its
+  answers (``--small-drafter``, made by ``python -m benchmarks.train --pair --recipe from-target``): lower
+  acceptance than the 0.5B, a fraction of its cost per drafted token;
+* ``server_small`` — server mode on a second verifier started with that drafter as its ``--draft-model``
+  (merged into the server's grammar + copy tree): the co-located deployment, same core as the target;
+* ``auto`` — the router chooses per segment among edge (``--auto-drafter``: the 0.5B by default), server and
+  server-ar.
 
 Per task: model time (every model call's wall time, prefill and network included), steps, the modes used,
 tokens per round by content kind (tool-call JSON or text) and whether the transcript (messages, tool calls,
@@ -31,6 +37,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +54,12 @@ from benchmarks.delay_proxy import DelayProxy
 from benchmarks.server import Verifier
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-MODE = {"plain": "server-ar", "server": "server", "edge_0.5b": "edge", "edge_tuned": "edge", "auto": "auto"}
-TUNED = "drafters/pair-0.5b-lora"  # benchmarks.train --pair's output
+MODE = {"plain": "server-ar", "server": "server", "server_small": "server", "edge_0.5b": "edge", "edge_tuned": "edge",
+        "edge_small": "edge", "auto": "auto"}
+# the local drafters besides the 0.5B: name -> (default directory, the command that makes it), and who uses them
+MADE = {"tuned": ("drafters/pair-0.5b-lora", "python -m benchmarks.train --pair"),
+        "small": ("drafters/pair-1.5b-2l", "python -m benchmarks.train --pair --recipe from-target")}
+USES = {"edge_tuned": "tuned", "edge_small": "small", "server_small": "small"}
 WARM = "Reply with one short sentence: what is a tool call?"
 # --system-prompt: the demo's AGENT_RULES by default. With none (the chat template's own) the 1.5B often repeats
 # a call after its result; a step-by-step prompt (below) made it write long free-text plans with made-up tool
@@ -60,9 +71,10 @@ STEP_BY_STEP = ("Answer the user's request using the tools. Work step by step: c
 
 def make_model(url: str, method: str, key: str, drafters: dict[str, Any], args: Any) -> ChatAgentSpec:
     """The agent's chat model for ``method``; plain sends each call as one request (as a plain client).
-    ``drafters``: the local models, ``"0.5b"`` (edge_0.5b and auto) and ``"tuned"`` (edge_tuned)."""
+    ``drafters``: the local models, ``"0.5b"`` (edge_0.5b), ``"tuned"`` (edge_tuned), ``"small"`` (edge_small);
+    auto drafts with ``args.auto_drafter``'s."""
     whole = method == "plain"
-    local = {"edge_0.5b": "0.5b", "auto": "0.5b", "edge_tuned": "tuned"}.get(method)
+    local = {"edge_0.5b": "0.5b", "auto": args.auto_drafter, "edge_tuned": "tuned", "edge_small": "small"}.get(method)
     return ChatAgentSpec(model=TARGET, base_url=url, api_key=key, mode=MODE[method], temperature=0,
                          max_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                          segment_tokens=args.max_new_tokens if whole else args.segment_tokens,
@@ -120,12 +132,15 @@ def divergence(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     return {"message": i, "token": j, "plain": side(b[j]), "this": side(a[j])}
 
 
-def run_rtt(srv: Verifier, rtt_ms: float, methods: tuple[str, ...], tasks: tuple[Task, ...],
+def run_rtt(srvs: dict[str, Verifier], rtt_ms: float, methods: tuple[str, ...], tasks: tuple[Task, ...],
             drafters: dict[str, Any], args: Any, tag: str) -> dict[str, dict[str, Any]]:
-    """Every method on every task at one injected RTT; returns ``{method: {task id: run}}``."""
-    with DelayProxy("127.0.0.1", srv.port, rtt_ms / 2e3) if rtt_ms else contextlib.nullcontext() as proxy:
-        url = f"http://127.0.0.1:{proxy.port}" if proxy else srv.url
-        chat = {m: make_model(url, m, f"{tag}-{m}-{rtt_ms:g}", drafters, args) for m in methods}
+    """Every method on every task at one injected RTT; returns ``{method: {task id: run}}``. ``srvs``: the
+    verifier (``"main"``) and the one with a draft model (``"small"``, server_small's)."""
+    with contextlib.ExitStack() as stack:
+        urls = {k: f"http://127.0.0.1:{stack.enter_context(DelayProxy('127.0.0.1', v.port, rtt_ms / 2e3)).port}"
+                if rtt_ms else v.url for k, v in srvs.items()}
+        chat = {m: make_model(urls["small" if m == "server_small" else "main"], m, f"{tag}-{m}-{rtt_ms:g}", drafters,
+                              args) for m in methods}
         for m in methods:  # untimed: first requests, and the router's first look at each mode (auto tries
             for _ in range(3 if m == "auto" else 1):  # an untried mode first: one short call per mode)
                 chat[m].invoke(WARM, max_tokens=24)
@@ -173,10 +188,10 @@ def summarise_rtt(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                   "divergences": {t: divergence(r, ref[t]) for t, r in runs[m].items()
                                   if r["transcript"] != ref[t]["transcript"]}}
     fixed = [m for m in runs if m not in ("plain", "auto")]
-    best = min(fixed, key=lambda m: out[m]["model_s_total"])
+    best = min(fixed, key=lambda m: out[m]["model_s_total"], default=None)
     return {"methods": out, "best_fixed": best,
-            "auto_vs_best": round(out[best]["model_s_total"] / out["auto"]["model_s_total"], 3) if "auto" in runs
-            else None}
+            "auto_vs_best": round(out[best]["model_s_total"] / out["auto"]["model_s_total"], 3)
+            if "auto" in runs and best is not None else None}
 
 
 def first_difference(a: str, b: str) -> int:
@@ -185,7 +200,8 @@ def first_difference(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(ma, mb, strict=False)) if x != y), min(len(ma), len(mb)))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tuple[str, ...], list[float]]:
+    """The command line, checked before anything loads or pins: (args, tasks, methods, RTTs in ms)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", type=int, default=len(TASKS))
     ap.add_argument("--rtts", default="0,20,50,100", help="injected round-trip times in ms, comma-separated")
@@ -195,57 +211,84 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--segment-tokens", type=int, default=32, help="server, edge and auto segments")
     ap.add_argument("--system-prompt", default="rules", help="the agent's system prompt: 'rules' (default: the "
                     "demo's AGENT_RULES), 'none' (the chat template's own), 'step-by-step' (STEP_BY_STEP) or the text")
-    ap.add_argument("--tuned-drafter", default="auto", help="the fine-tuned 0.5B of the edge_tuned method "
-                    "(a drafter directory; 'none' leaves the method out; default 'auto': "
-                    f"{TUNED} if it exists, else none)")
+    for key, (where, how) in MADE.items():
+        users = ", ".join(m for m, k in USES.items() if k == key)
+        ap.add_argument(f"--{key}-drafter", default="auto", help=f"the drafter of {users} (a directory, made by "
+                        f"`{how}`; 'none' leaves them out; default 'auto': {where} if it exists, else none)")
+    ap.add_argument("--auto-drafter", choices=("0.5b", *MADE), default="0.5b",
+                    help="the local drafter auto may switch to edge with")
+    ap.add_argument("--methods", default="", help="comma-separated subset of the methods (plain always runs: the "
+                    "reference)")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 lossless check")
+    ap.add_argument("--no-completion", action="store_true", help="skip the 0.5B's own task runs (tasks_correct)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/agent")
     args = ap.parse_args(argv)
-    if args.tuned_drafter == "auto":  # a fresh clone has none: run without it rather than fail
-        args.tuned_drafter = TUNED if Path(TUNED, "config.json").is_file() else "none"
-        if args.tuned_drafter == "none":
-            log(f"no fine-tuned drafter at {TUNED} (python -m benchmarks.train --pair makes one): edge_tuned left out")
+    for key, (where, how) in MADE.items():
+        if getattr(args, f"{key}_drafter") == "auto":  # a fresh clone has none: run without it rather than fail
+            setattr(args, f"{key}_drafter", where if Path(where, "config.json").is_file() else "none")
+            if getattr(args, f"{key}_drafter") == "none":
+                log(f"no drafter at {where} ({how} makes one): "
+                    f"{', '.join(m for m, k in USES.items() if k == key)} left out")
     args.system_prompt = {"rules": AGENT_RULES, "none": None, "step-by-step": STEP_BY_STEP}.get(
         args.system_prompt, args.system_prompt) or None
     if args.quick:
         args.tasks, args.rtts, args.no_fp32, args.out = 2, "0", True, args.out + "_quick"
+    chosen = {m.strip() for m in args.methods.split(",") if m.strip()}
+    if chosen - set(MODE):
+        ap.error(f"--methods: unknown {sorted(chosen - set(MODE))}; choose from {', '.join(MODE)}")
+    tasks = TASKS[: args.tasks]
+    methods = tuple(m for m in MODE if (m == "plain" or not chosen or m in chosen)
+                    and (m not in USES or getattr(args, f"{USES[m]}_drafter") != "none"))
+    if "auto" in methods and args.auto_drafter != "0.5b" and getattr(args, f"{args.auto_drafter}_drafter") == "none":
+        ap.error(f"--auto-drafter {args.auto_drafter}: there is no such drafter (see --{args.auto_drafter}-drafter)")
+    try:
+        rtts = [float(r) for r in args.rtts.split(",")]
+    except ValueError:
+        ap.error(f"--rtts takes milliseconds separated by commas, got {args.rtts!r}")
+    for key in local_drafters(methods, args):
+        where = getattr(args, f"{key}_drafter")
+        if not Path(where, "config.json").is_file():
+            ap.error(f"--{key}-drafter {where}: no drafter there; make one with `{MADE[key][1]}`, or pass "
+                     f"--{key}-drafter none to leave out the methods it drafts for")
+    return args, tasks, methods, rtts
+
+
+def local_drafters(methods: tuple[str, ...], args: Any, client: bool = False) -> set[str]:
+    """The trained drafters the chosen methods need (auto's included); ``client``: only those the agent's side
+    loads (server_small's drafter lives in its verifier)."""
+    used = {USES[m] for m in methods if m in USES and not (client and m == "server_small")}
+    return used | ({args.auto_drafter} - {"0.5b"} if "auto" in methods else set())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, tasks, methods, rtts = parse_args(argv)
     os.sched_setaffinity(0, {0})  # the agent's machine: core 0; the verifier is pinned to core 1
     torch.set_num_threads(1)
-    tasks, methods = TASKS[: args.tasks], tuple(m for m in MODE if m != "edge_tuned" or args.tuned_drafter != "none")
-    rtts = [float(r) for r in args.rtts.split(",")]
     drafters = {"0.5b": models.load_model(DRAFTER, device="cpu", dtype="bfloat16")}
     drafter = drafters["0.5b"]
-    if "edge_tuned" in methods:
-        if not Path(args.tuned_drafter, "config.json").is_file():
-            ap.error(f"--tuned-drafter {args.tuned_drafter}: no drafter there; make one with `python -m "
-                     "benchmarks.train --pair`, or pass --tuned-drafter none to leave edge_tuned out")
-        drafters["tuned"] = models.load_model(args.tuned_drafter, device="cpu", dtype="bfloat16")
+    for key in local_drafters(methods, args, client=True):
+        drafters[key] = models.load_model(getattr(args, f"{key}_drafter"), device="cpu", dtype="bfloat16")
     keys = [a for tag in ("bf16", "fp32", "small") for m in methods for r in rtts for a in ("--api-key",
                                                                                           f"{tag}-{m}-{r:g}")]
     result: dict[str, Any] = {"rtt": {}, "runs": {}}
     t0 = time.perf_counter()
-    srv = Verifier("bfloat16", *keys, threads=1, target=TARGET, cpus="1")
-    result["verifier_load_s"], result["verifier_peak_rss_bytes"] = round(time.perf_counter() - t0, 1), 0
-    try:
+    with verifiers("bfloat16", keys, methods, args) as srvs:
+        result["verifier_load_s"] = round(time.perf_counter() - t0, 1)
         for r in rtts:
-            runs = run_rtt(srv, r, methods, tasks, drafters, args, "bf16")
+            runs = run_rtt(srvs, r, methods, tasks, drafters, args, "bf16")
             result["rtt"][f"{r:g}"], result["runs"][f"bf16-{r:g}"] = summarise_rtt(runs), runs
             partial(result, args)
-        result["verifier_peak_rss_bytes"] = srv.peak_rss()
-    finally:
-        srv.close()
+        result["verifier_peak_rss_bytes"] = srvs["main"].peak_rss()
     if not args.no_fp32:
-        srv = Verifier("float32", *keys, threads=1, target=TARGET, cpus="1")
-        try:
-            runs = run_rtt(srv, 0.0, methods, tasks, drafters, args, "fp32")
+        with verifiers("float32", keys, methods, args) as srvs:
+            runs = run_rtt(srvs, 0.0, methods, tasks, drafters, args, "fp32")
             result["fp32"], result["runs"]["fp32-0"] = summarise_rtt(runs), runs
             partial(result, args)
-        finally:
-            srv.close()
     low = f"bf16-{min(rtts):g}"  # the lowest RTT run: 0 ms unless --rtts leaves it out
     result["plain_same_as_rtt0"] = plain_across_rtts(result["runs"], low)
-    result["completion"] = completion(result["runs"][low]["plain"], tasks, drafter, keys, args, min(rtts))
+    result["completion"] = None if args.no_completion else completion(result["runs"][low]["plain"], tasks, drafter,
+                                                                      keys, args, min(rtts))
     accept = acceptance(result, rtts, args)
     for block in result["runs"].values():  # per-token logprobs served the divergence report; too big to keep
         for by_task in block.values():
@@ -256,6 +299,20 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out + ".partial.json").unlink(missing_ok=True)
     print(json.dumps(accept, indent=1))
     return 0
+
+
+@contextlib.contextmanager
+def verifiers(dtype: str, keys: list[str], methods: tuple[str, ...], args: Any) -> Iterator[dict[str, Verifier]]:
+    """The 1.5B's verifier on core 1 and, for server_small, a second one there with the small drafter as its
+    draft model (one of the two computes at a time: methods run one after another)."""
+    with contextlib.ExitStack() as stack:
+        srvs = {"main": Verifier(dtype, *keys, threads=1, target=TARGET, cpus="1")}
+        stack.callback(srvs["main"].close)
+        if "server_small" in methods:
+            srvs["small"] = Verifier(dtype, *keys, "--draft-model", args.small_drafter, threads=1, target=TARGET,
+                                     cpus="1")
+            stack.callback(srvs["small"].close)
+        yield srvs
 
 
 def partial(result: dict[str, Any], args: Any) -> None:
@@ -316,8 +373,10 @@ def acceptance(result: dict[str, Any], rtts: list[float], args: Any) -> dict[str
         "task_e2e_speedup_bf16_pooled": round(sum(r["model_s"] for r in plain0.values())
                                               / sum(r["model_s"] for r in best0.values()), 3),
         "auto_vs_best": {f"{r:g}": result["rtt"][f"{r:g}"]["auto_vs_best"] for r in rtts},
-        "auto_vs_best_min": min(result["rtt"][f"{r:g}"]["auto_vs_best"] for r in rtts),
-        "tasks_correct": {m: sum(v.values()) for m, v in done.items() if not m.startswith("answers")},
+        "auto_vs_best_min": min((result["rtt"][f"{r:g}"]["auto_vs_best"] for r in rtts
+                                 if result["rtt"][f"{r:g}"]["auto_vs_best"] is not None), default=None),
+        "tasks_correct": None if done is None else {m: sum(v.values()) for m, v in done.items()
+                                                    if not m.startswith("answers")},
         "divergences": divergences,  # fp32 ones would be losses; bf16 ones should be near-ties
         "bf16_divergence_margin_max": max((d["plain"]["margin"] for d in divergences
                                            if "plain" in d and d["run"].startswith("bf16")), default=None),
@@ -327,7 +386,9 @@ def acceptance(result: dict[str, Any], rtts: list[float], args: Any) -> dict[str
 
 def setup(args: Any, tasks: tuple[Task, ...], methods: tuple[str, ...]) -> dict[str, Any]:
     return {"target": TARGET, "drafter": DRAFTER, "methods": {m: MODE[m] for m in methods},
-            "tuned_drafter": args.tuned_drafter if "edge_tuned" in methods else None,
+            **{f"{key}_drafter": getattr(args, f"{key}_drafter") if key in local_drafters(methods, args) else None
+               for key in MADE},
+            "auto_drafter": args.auto_drafter,
             "dtype": "bfloat16 (fp32: the lossless check)",
             "tasks": {t.id: t.prompt for t in tasks}, "max_new_tokens": args.max_new_tokens,
             "max_steps": args.max_steps, "system_prompt": args.system_prompt, "num_draft_tokens": args.num_draft_tokens,

@@ -16,7 +16,11 @@ drafter itself goes to ``--output`` (not committed).
 ``--pair`` fine-tunes a pretrained drafter instead (issue 23, item 3): Qwen2.5-Coder-0.5B-Instruct with LoRA
 adapters on every linear layer of its decoder (merged into the saved weights) on the answers of
 Qwen2.5-Coder-1.5B-Instruct, trained and evaluated in bf16 (the 1.5B's dtype on CPU), k = 2, 4, 8, 16;
-writes ``train_pair.json`` / ``train_pair.md``.
+writes ``train_pair.json`` / ``train_pair.md``. ``--pair --recipe from-target`` keeps the wave-1 recipe for
+comparison on the same target: a drafter made of the 1.5B's own first ``--init-layers`` layers (embeddings
+frozen, head cut to ``--draft-vocab`` ids), trained in fp32 on the 1.5B's answers; writes
+``train_pair_from_target.json`` / ``.md``. Its untrained layers draft nothing useful (wave 1 measured
+α = 0.002), so ``--no-eval-before`` is the sensible companion.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="results without suffix (default: benchmarks/results/train[_pair])")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--pair", action="store_true", help="LoRA-tune the 0.5B on the 1.5B's answers (see above)")
+    p.add_argument("--recipe", choices=("pretrained", "from-target"), default="pretrained",
+                   help="--pair: fine-tune the pretrained 0.5B (default) or build a drafter from the 1.5B's first "
+                   "--init-layers layers")
     p.add_argument("--lora-rank", type=int, default=16, help="--pair: the adapters' rank (0: full fine-tuning)")
     p.add_argument("--drafter-dtype", default="", help="--pair: the 0.5B's dtype while it trains (default: bf16, "
                    "the target's; float32 for full fine-tuning, whose small updates bf16 would round away)")
@@ -56,15 +63,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip evaluating the untrained drafter (another run measured it on the same prompts)")
     p.add_argument("--batch-size", type=int, default=8)
     args = p.parse_args(argv)
+    if args.recipe == "from-target" and not args.pair:
+        p.error("--recipe from-target is a --pair option (without --pair the from-target recipe is the default)")
     torch.set_num_threads(args.threads)
-    recipe = ("lora" if args.lora_rank else "full") if args.pair else ""
-    args.output = args.output or (f"drafters/pair-0.5b-{recipe}" if args.pair else "drafters/bench-qwen-320-e4")
-    args.out = args.out or "benchmarks/results/train" + {"lora": "_pair", "full": "_pair_full", "": ""}[recipe]
+    recipe = ("from-target" if args.recipe == "from-target" else "lora" if args.lora_rank else "full") \
+        if args.pair else ""
+    args.output = args.output or {"from-target": f"drafters/pair-1.5b-{args.init_layers}l", "": "drafters/bench-qwen-320-e4"
+                                  }.get(recipe, f"drafters/pair-0.5b-{recipe}")
+    args.out = args.out or "benchmarks/results/train" + {"lora": "_pair", "full": "_pair_full", "": "",
+                                                         "from-target": "_pair_from_target"}[recipe]
     common_cfg = dict(output=args.output, max_train_prompts=args.train_prompts, epochs=args.epochs,
                       max_heldout_prompts=args.heldout_prompts, max_new_tokens=args.max_new_tokens,
                       threads=args.threads, lr=args.lr, draft_vocab=args.draft_vocab, batch_size=args.batch_size,
                       eval_before=not args.no_eval_before)
-    if args.pair:
+    if recipe == "from-target":  # trained in fp32 (bf16 would round its small updates away), evaluated in bf16
+        cfg = TrainConfig(**common_cfg, target=PAIR_TARGET, init="from-target", init_layers=args.init_layers,
+                          dtype="bfloat16", drafter_dtype=args.drafter_dtype or "float32", max_len=640,
+                          eval_ks="2,4,8,16")
+    elif args.pair:
         drafter_dtype = args.drafter_dtype or ("bfloat16" if args.lora_rank else "float32")
         cfg = TrainConfig(**common_cfg, target=PAIR_TARGET, drafter=PAIR_DRAFTER, lora_rank=args.lora_rank,
                           dtype="bfloat16", drafter_dtype=drafter_dtype, max_len=640, eval_ks="2,4,8,16")
@@ -109,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_ids": report["train_ids"],
         "heldout_ids": report["heldout_ids"],
     }
-    result = {"acceptance": acceptance, "meta": {"model": cfg.target, "drafter": cfg.drafter or "from-target",
+    result = {"acceptance": acceptance, "meta": {"model": cfg.target, "drafter": cfg.drafter or f"from-target ({cfg.init_layers} layers)",
                                                  "lora_rank": cfg.lora_rank, "train_dtype": cfg.dtype,
                                                  "drafter_train_dtype": cfg.drafter_train_dtype,
                                                  "eval_dtype": cfg.eval_dtype, "data": cfg.data,

@@ -102,3 +102,4 @@ def test_divergence_where_one_run_stops_or_a_tool_result_differs() -> None:
     tool_a = _run([human, ["tool", "1", "[]"]], [None, None])
     tool_b = _run([human, ["tool", "2", "[]"]], [None, None])
     assert divergence(tool_a, tool_b)["token"] is None
+
