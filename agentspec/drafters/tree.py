@@ -9,6 +9,7 @@ Extra branches are added only while the measured verify-cost curve stays flat
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ from agentspec.drafters.base import (
     take_catchup,
 )
 from agentspec.drafters.copy import CopyDrafter
+from agentspec.drafters.gate import Drafted, ModelGate
 from agentspec.drafters.grammar import GrammarDrafter
 from agentspec.types import DraftProposal
 
@@ -37,15 +39,20 @@ class TreeDrafter:
     merges_sources = True  # already a tool drafter: never wrapped in another; drafts ahead only on request
 
     def __init__(self, grammar: GrammarDrafter | None = None, copy: CopyDrafter | None = None,
-                 model: Drafter | None = None, node_budget: int = 0, max_forced: int = 16) -> None:
+                 model: Drafter | None = None, node_budget: int = 0, max_forced: int = 16,
+                 gate: ModelGate | None = None) -> None:
         """``node_budget``: most nodes per round beyond the forced span and the first candidate
-        (0: a single chain); ``max_forced``: most grammar-forced tokens drafted in one round."""
+        (0: a single chain); ``max_forced``: most grammar-forced tokens drafted in one round; ``gate``:
+        leave the model out of greedy rounds while it costs more than it adds (:class:`ModelGate`)."""
         if node_budget < 0 or max_forced < 0:
             raise ValueError("node_budget and max_forced must be >= 0")
         self.grammar, self.copy, self.model = grammar, copy, model
-        self.node_budget, self.max_forced = node_budget, max_forced
+        self.node_budget, self.max_forced, self.gate = node_budget, max_forced, gate
+        self._drafted: Drafted | None = None  # the last greedy round, for the gate to judge
+        self.last_model_s = 0.0  # the model's drafting seconds in the last round (0: it sat the round out)
 
     def reset(self) -> None:
+        self._drafted = None
         for d in (self.grammar, self.copy, self.model):
             if d is not None:
                 d.reset()
@@ -78,15 +85,22 @@ class TreeDrafter:
         return self.node_budget
 
     def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
+        gate = self.gate if self.model is not None else None
+        started = gate.clock() if gate is not None else 0.0
         forced = self.grammar.forced(ctx)[: self.max_forced] if self.grammar is not None else []
+        last, self._drafted = self._drafted, None
         if not ctx.sampling.greedy:
             return self._sampled(ctx, forced, k)
+        use_model = self.model is not None and (gate is None or gate.use_model(ctx.tokens, last))
         trie = TokenTrie()
         trie.add_chain(forced)
+        drafted: dict[bool, list[list[int]]] = {False: [list(forced)], True: []}  # by "from the model"
+        model_s = 0.0
         if k > 0:
             extended = ctx.tokens + forced
             budget = len(forced) + k + self.node_budget
-            for i, cand in enumerate(self._candidates(ctx, extended, k)):
+            candidates, model_s = self._candidates(ctx, extended, k, use_model)
+            for i, (from_model, cand) in enumerate(candidates):
                 if self.grammar is not None and forced:
                     cand = cand[: self.grammar.valid_prefix(forced + cand) - len(forced)]
                 elif self.grammar is not None:
@@ -96,6 +110,10 @@ class TreeDrafter:
                 if i and len(trie.tokens) + trie.new_nodes(forced + cand) > budget:
                     break
                 trie.add_chain(forced + cand)
+                drafted[from_model].append(forced + cand)
+        self.last_model_s = model_s
+        if gate is not None:
+            self._drafted = gate.drafted(ctx.tokens, drafted[False], drafted[True], model_s, started)
         if not len(trie.tokens):
             return DraftProposal(source=self.name)
         parents = tuple(trie.parents) if trie.is_branching() else None
@@ -132,17 +150,23 @@ class TreeDrafter:
                              draft_probs=tuple(probs) if any(q is not None for q in probs) else None,
                              source=self._source(forced), num_forced=len(forced))
 
-    def _candidates(self, ctx: DraftContext, extended: list[int], k: int) -> list[list[int]]:
+    def _candidates(self, ctx: DraftContext, extended: list[int], k: int,
+                    use_model: bool) -> tuple[list[tuple[bool, list[int]]], float]:
+        """(from the model?, candidate) in the order they are tried, and the model's drafting seconds."""
         copies = self.copy.candidates(ctx, k, tokens=extended) if self.copy is not None else []
-        strong = [c for n, c in copies if n >= STRONG_COPY]
+        strong = [(False, c) for n, c in copies if n >= STRONG_COPY]
         # a 1-token match is a guess (α ~0.4-0.6 measured): worth verifying only where extra tokens
         # cost nothing, i.e. inside the flat part of the verify-cost curve
-        weak = [c for n, c in copies if n < STRONG_COPY] if self.node_budget > 0 else []
-        model: list[list[int]] = []
-        if self.model is not None:
+        weak = [(False, c) for n, c in copies if n < STRONG_COPY] if self.node_budget > 0 else []
+        model: list[tuple[bool, list[int]]] = []
+        model_s = 0.0
+        if use_model and self.model is not None:
             sub = dataclasses.replace(ctx, tokens=extended)
-            model = _paths(self.model.propose(sub, k))
-        return strong + model + weak
+            clock = self.gate.clock if self.gate is not None else time.perf_counter
+            t0 = clock()
+            model = [(True, p) for p in _paths(self.model.propose(sub, k))]
+            model_s = clock() - t0
+        return strong + model + weak, model_s
 
     def _source(self, forced: list[int]) -> str:
         parts = (["grammar"] if forced else []) + [d.name for d in (self.copy, self.model) if d is not None]
@@ -172,10 +196,12 @@ def _paths(proposal: DraftProposal) -> list[list[int]]:
 
 @register_drafter("default")
 def default_drafter(tokenizer: Any, model: Drafter | None = None, index: Any = None,
-                    verify_costs: Mapping[int, float] | None = None) -> TreeDrafter:
-    """agentspec's default drafting: grammar (when a tokenizer is known) + copy (+ a model drafter)."""
+                    verify_costs: Mapping[int, float] | None = None, gate: ModelGate | None = None) -> TreeDrafter:
+    """agentspec's default drafting: grammar (when a tokenizer is known) + copy (+ a model drafter);
+    ``gate``: leave the model out while it costs more than it adds (:class:`ModelGate`, may be shared)."""
     grammar = GrammarDrafter(tokenizer) if tokenizer is not None else None
-    tree = TreeDrafter(grammar=grammar, copy=CopyDrafter(index=index, max_candidates=3), model=model)
+    tree = TreeDrafter(grammar=grammar, copy=CopyDrafter(index=index, max_candidates=3), model=model,
+                       gate=gate if model is not None else None)
     if verify_costs:
         tree.set_verify_costs(verify_costs)
     return tree

@@ -23,6 +23,7 @@ from agentspec.constraint import Constraint, ConstraintError, wants_constraint
 from agentspec.drafters import DraftContext, Drafter, make_drafter
 from agentspec.drafters.base import propose_round
 from agentspec.drafters.copy import LEAD, SuffixIndex
+from agentspec.drafters.gate import ModelGates
 from agentspec.drafters.grammar import warm_grammar_tokenizer
 from agentspec.protocol import (
     BASE_LEN_MISMATCH,
@@ -68,6 +69,7 @@ class VerifierEngine:
         self._chunk_s = 0.0  # the last prefill chunk's time (bounds how long a long prefill yields to rounds)
         self.policies: dict[str, DraftLengthPolicy] = {}
         self.copy_index = SuffixIndex()  # past outputs per API key: cross-conversation copy drafting
+        self.model_gates = ModelGates()  # per API key: whether the draft model pays inside the default tree
         self.verify_costs: dict[int, float] = {}
         self.grammar_ready: Any = None  # the warm-up's grammar-tokenizer build
         self.ready = False
@@ -270,7 +272,7 @@ class VerifierEngine:
             name = "model" if self.draft_model is not None else "copy"
             if session.drafter is None or session.drafter_kind != req.drafter:
                 # kept on the session: its KV cache follows later turns too
-                session.drafter, session.drafter_kind = self._server_drafter(req.drafter), req.drafter
+                session.drafter, session.drafter_kind = self._server_drafter(req.drafter, session.owner), req.drafter
             drafter = session.drafter
             policy = self.policies.get(name) if req.num_draft_tokens is None else None
         while True:
@@ -282,12 +284,13 @@ class VerifierEngine:
             if reply.finished:
                 return
 
-    def _server_drafter(self, kind: str) -> Drafter:
-        """A new server-mode drafter of ``kind`` (``Generate.drafter``), built through the registry."""
+    def _server_drafter(self, kind: str, owner: str) -> Drafter:
+        """A new server-mode drafter of ``kind`` (``Generate.drafter``) for a session of ``owner``."""
         model = make_drafter("model", model=self.draft_model) if self.draft_model is not None else None
         kwargs = {"ngram": {}, "model": {"model": self.draft_model},
                   "default": {"tokenizer": self.target.tokenizer, "model": model, "index": self.copy_index,
-                              "verify_costs": self.verify_costs}}[kind]
+                              "verify_costs": self.verify_costs,
+                              "gate": self.model_gates.get(owner) if model is not None else None}}[kind]
         return make_drafter(kind, **kwargs)
 
     # -- the model thread --------------------------------------------------------------------------
@@ -336,6 +339,9 @@ class VerifierEngine:
 
     def _server_draft(self, item: RoundItem) -> DraftProposal:
         gamma, s = item.num_draft_tokens, item.session
+        gate = getattr(item.drafter, "gate", None)
+        if item.policy is not None and gate is not None and not gate.pays:  # a grammar + copy round: their γ
+            item.policy = self.policies.get("copy", item.policy)
         if item.policy is not None and gamma > 0:
             gamma = item.policy.choose(gamma)
         tools, tool_choice, response_format = s.structure
@@ -360,8 +366,9 @@ class VerifierEngine:
             self.copy_index.add(s.tokens[start:], s.owner, lead=s.tokens[max(start - LEAD, 0) : start])
         s.last_used = time.monotonic()
         self.store.update_size(s)
-        if item.policy is not None:
-            observe_round(item.policy, d, out, verify_s if batch_size == 1 else None, draft_s)
+        if item.policy is not None:  # the copy policy is not charged for a gated model's probes
+            model_s = getattr(item.drafter, "last_model_s", 0.0) if item.policy is self.policies.get("copy") else 0.0
+            observe_round(item.policy, d, out, verify_s if batch_size == 1 else None, draft_s - model_s)
         if self.metrics:
             self.metrics.round(len(d), out.num_accepted, len(new), verify_s,
                                "server" if item.drafter is not None else "edge" if len(d) else "server-ar")

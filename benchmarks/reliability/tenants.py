@@ -170,7 +170,7 @@ def _greedy_fault(srv, c: httpx.Client, target, stage: str, prompt: list[int]) -
         with patched(obj, name, lambda f: once(f, before)):
             status = c.post(f"/v1/spec/sessions/{sid}/rounds", json=fault_round).status_code
     elif stage == "server drafting raises":
-        with patched(srv.engine, "_server_drafter", lambda f: lambda kind: FailingDrafter()):
+        with patched(srv.engine, "_server_drafter", lambda f: lambda kind, owner: FailingDrafter()):
             status = c.post(f"/v1/spec/sessions/{sid}/generate", json={"base_len": base, "mode": "server",
                                                                        "max_new_tokens": 8}).status_code
     elif stage == "400 after new_tokens":

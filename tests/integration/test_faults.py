@@ -40,7 +40,7 @@ def test_a_drafting_fault_fails_that_request_only(target, fail_at):
     prompts = [make_prompt(0, 30), make_prompt(1, 25)]
     ref = plain_greedy(target, prompts[1], 16)
     with LoopbackServer(target, config()) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
-        srv.engine._server_drafter = lambda kind: _FailsLater(fail_at)
+        srv.engine._server_drafter = lambda kind, owner: _FailsLater(fail_at)
         bad, good = (c.post("/v1/spec/sessions", json={"prompt_ids": p, "max_new_tokens": 16}).json()
                      for p in prompts)
         # a fixed num_draft_tokens: the adaptive γ policy may settle on 0 after empty drafts (timing-dependent),

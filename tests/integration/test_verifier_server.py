@@ -259,3 +259,19 @@ def _nbytes(cache) -> int:
     from agentspec import models
 
     return models.cache_nbytes(cache)
+
+
+def test_a_draft_model_that_adds_nothing_sits_out_across_sessions(target, wrong_drafter_model, references):
+    """The default tree with a --draft-model that never adds a token beyond the copies: every session still
+    decodes plain greedy, and the API key's one gate, judged over all its sessions (an agent's steps), turns
+    the model off; a second key starts from its own, fresh gate."""
+    with LoopbackServer(target, config(), draft_model=wrong_drafter_model) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        for s in range(4):
+            replies = _server_mode(c, make_prompt(s), drafter="default")
+            assert [t for rep in replies for t in rep["tokens"]] == references[s]
+        gates = srv.engine.model_gates
+        (gate,) = gates._gates.values()
+        assert gate.samples >= gate.warmup and not gate.pays
+        assert gate.w1 < gate.w0 + 0.25  # the rare token a random model gets right is not worth its time
+        assert gates.get("another owner").samples == 0
