@@ -32,7 +32,6 @@ from agentspec.protocol import (
     OpenSession,
     ProtocolError,
     RoundReply,
-    Sampling,
     SessionInfo,
     Timings,
     TokenLogprob,
@@ -345,7 +344,7 @@ class VerifierEngine:
         if item.policy is not None and gamma > 0:
             gamma = item.policy.choose(gamma)
         tools, tool_choice, response_format = s.structure
-        ctx = DraftContext(s.tokens, s.num_prompt_tokens, item.sampling.to_params(), self._generator(s, item.sampling),
+        ctx = DraftContext(s.tokens, s.num_prompt_tokens, item.sampling.to_params(), s.rng(item.sampling),
                            tools=tools, tool_choice=tool_choice, response_format=response_format, index_key=s.owner,
                            constraint=s.constraint)
         return propose_round(item.drafter, ctx, gamma)
@@ -356,7 +355,7 @@ class VerifierEngine:
         session_cap = min(s.num_prompt_tokens + s.max_new_tokens, self.config.max_model_len)
         cap = session_cap if limit is None else min(session_cap, s.num_prompt_tokens + limit)
         out = commit_round(s, d, logits, num_pending, item.sampling.to_params(),
-                           self._generator(s, item.sampling), cap)
+                           s.rng(item.sampling), cap)
         new, finish = out.tokens, out.finish_reason
         # the session ends at a stop or its own cap; a generate request's own limit only ends that request
         session_done = finish == "stop" or len(s.tokens) >= session_cap
@@ -392,15 +391,6 @@ class VerifierEngine:
     def _decoder(self) -> IncrementalDecoder | None:
         """A session's text decoder for the tokens generated from now on."""
         return IncrementalDecoder(self.target.tokenizer) if self.target.tokenizer is not None else None
-
-    def _generator(self, session: Session, sampling: Sampling) -> torch.Generator | None:
-        if sampling.greedy:
-            return None
-        if session.generator is None or sampling.seed is not None and session.seed != sampling.seed:
-            session.generator = torch.Generator().manual_seed(
-                sampling.seed if sampling.seed is not None else torch.seed())
-            session.seed = sampling.seed
-        return session.generator
 
     def shutdown(self) -> None:
         if self._owns_executor:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from agentspec import models
-from agentspec.protocol import SESSION_EVICTED, SESSION_NOT_FOUND, ProtocolError
+from agentspec.protocol import SESSION_EVICTED, SESSION_NOT_FOUND, ProtocolError, Sampling
 
 
 def key_owner(api_key: str | None) -> str:
@@ -62,6 +62,16 @@ class Session:
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
+
+    def rng(self, sampling: Sampling) -> torch.Generator | None:
+        """The generator sampled rounds draw from (None for greedy ones), reseeded when a request sets a new
+        seed: one stream per session, so a seeded answer is reproducible round after round."""
+        if sampling.greedy:
+            return None
+        if self.generator is None or sampling.seed is not None and self.seed != sampling.seed:
+            self.generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+            self.seed = sampling.seed
+        return self.generator
 
 
 class KVStore:
