@@ -107,10 +107,11 @@ class TreeDrafter:
                     cand = cand[: self.grammar.valid_prefix(cand)]
                 if not cand:
                     continue
-                if i and len(trie.tokens) + trie.new_nodes(forced + cand) > budget:
+                path = forced + cand
+                if i and len(trie.tokens) + trie.new_nodes(path) > budget:
                     break
-                trie.add_chain(forced + cand)
-                drafted[from_model].append(forced + cand)
+                trie.add_chain(path)
+                drafted[from_model].append(path)
         self.last_model_s = model_s
         if gate is not None:
             self._drafted = gate.drafted(ctx.tokens, drafted[False], drafted[True], model_s, started)
@@ -200,8 +201,7 @@ def default_drafter(tokenizer: Any, model: Drafter | None = None, index: Any = N
     """agentspec's default drafting: grammar (when a tokenizer is known) + copy (+ a model drafter);
     ``gate``: leave the model out while it costs more than it adds (:class:`ModelGate`, may be shared)."""
     grammar = GrammarDrafter(tokenizer) if tokenizer is not None else None
-    tree = TreeDrafter(grammar=grammar, copy=CopyDrafter(index=index, max_candidates=3), model=model,
-                       gate=gate if model is not None else None)
+    tree = TreeDrafter(grammar=grammar, copy=CopyDrafter(index=index, max_candidates=3), model=model, gate=gate)
     if verify_costs:
         tree.set_verify_costs(verify_costs)
     return tree
