@@ -12,7 +12,6 @@ import gc
 import logging
 import math
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -129,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     """Bind the port, then serve while the model loads (``/health`` answers 503 until it is ready)."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    from agentspec.verifier_server.http import listen
+
     try:  # listen before the model loads: a taken port fails at once, naming it
-        sock = socket.create_server((args.host, args.port), family=family)
+        sock = listen(args.host, args.port, args.config.max_connections)
     except OSError as e:
         raise SystemExit(f"agentspec-verifier: cannot bind {args.host}:{args.port}: {e.strerror}") from None
     if not args.config.api_keys:
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                     "set --api-key-file or AGENTSPEC_API_KEY", args.host, args.port)
     if (fits := raise_fd_limit(args.config.max_connections)) < args.config.max_connections:
         args = replace(args, config=replace(args.config, max_connections=fits))
+        sock.cap = fits
     logging.getLogger("asyncio").addFilter(RepeatFilter())
     import uvicorn
 
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # descriptors kept beyond the connection cap: the server's own (model files, logs, pipes, the event loop) and
-# one accept batch (config.ACCEPT_BATCH) taken before the protocols beyond the cap close theirs
+# the one connection http.CappedListener is refusing
 FD_RESERVE = 128
 
 

@@ -104,9 +104,8 @@ class ServerConfig:
         """The HTTP server's settings these limits imply (the CLI and :class:`LocalVerifier` share them)."""
         from agentspec.verifier_server.http import header_deadline_protocol
 
-        # backlog: also how many connections one wake-up of the accept loop takes before their protocols
-        # run (and close those beyond the cap); uvicorn's 2048 could take a flood's whole queue at once
-        # and run out of descriptors (cli.FD_RESERVE leaves room for one such batch)
+        # backlog: also how many connections one wake-up of the accept loop takes (http.CappedListener
+        # refuses those beyond the cap inside accept, so a batch holds no descriptor beyond it)
         return {"timeout_keep_alive": int(math.ceil(self.keep_alive_s)), "limit_concurrency": self.max_connections,
                 "http": header_deadline_protocol(self.header_timeout_s), "backlog": ACCEPT_BATCH}
 

@@ -19,6 +19,7 @@ from agentspec.models import LoadedModel
 from agentspec.verifier_server.app import create_app
 from agentspec.verifier_server.config import ServerConfig
 from agentspec.verifier_server.engine import VerifierEngine
+from agentspec.verifier_server.http import listen
 from agentspec.verifier_server.metrics import Metrics
 
 
@@ -38,7 +39,9 @@ class LocalVerifier:
         cfg = uvicorn.Config(create_app(self.engine), host="127.0.0.1", port=port, log_level="warning", lifespan="off",
                              **config.uvicorn_options())
         self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="agentspec-verifier")
+        self.listener = listen("127.0.0.1", port, config.max_connections)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.listener]}, daemon=True,
+                                       name="agentspec-verifier")
         self.url = ""
 
     def __enter__(self) -> LocalVerifier:
