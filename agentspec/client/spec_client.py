@@ -240,13 +240,15 @@ class SpecClient:
     def _server_segment(self, run: Run, mode: str) -> Steps:
         t = yield from self._session(run)
         seg, t0 = self._segment(run, mode), time.perf_counter()
-        body = run.generate_request(mode, min(self._segment_tokens(seg), run.max_tokens - run.generated),
-                                    self.server_drafter)
+        n = min(self._segment_tokens(seg), run.max_tokens - run.generated)
+        body = run.generate_request(mode, n, self.server_drafter)
         try:
             lines = yield Call(t.stream_lines, t.astream_lines, (f"/v1/spec/sessions/{run.sid}/generate", body))
             first = Call(next, anext, (lines, None))
             if self._edge.catches_up(run):  # the local drafter prefills while the server decodes
-                r, seg.draft_ahead_s = yield WhileDrafting(first, Call(self._edge.catch_up, None, (run,)))
+                per_token = getattr(self.policy, "seconds_per_token", {}).get(mode)
+                budget = None if per_token is None else per_token * n
+                r, seg.draft_ahead_s = yield WhileDrafting(first, Call(self._edge.catch_up, None, (run, budget)))
             else:
                 r = yield first
             while run.finish is None and r is not None:
