@@ -92,8 +92,9 @@ class EdgeDrafting:
             upto = min(upto + CATCHUP_CHUNK, len(tokens) - 1)
             c0 = time.perf_counter()
             catch_up(run.drafter, tokens[: upto + 1])  # prefills all but the last token it is given
-            if time.perf_counter() - t0 + (time.perf_counter() - c0) > (budget_s or 0.0):
-                break  # the next chunk would likely outlast the segment
+            now = time.perf_counter()
+            if (now - t0) + (now - c0) > (budget_s or 0.0):  # a chunk more would likely outlast the segment
+                break
         return time.perf_counter() - t0
 
     def draft_ahead(self, run: Run, seg: SegmentStats, prop: DraftProposal) -> float:

@@ -246,7 +246,7 @@ class SpecClient:
             lines = yield Call(t.stream_lines, t.astream_lines, (f"/v1/spec/sessions/{run.sid}/generate", body))
             first = Call(next, anext, (lines, None))
             if self._edge.catches_up(run):  # the local drafter prefills while the server decodes
-                per_token = getattr(self.policy, "seconds_per_token", {}).get(mode)
+                per_token = self.policy.seconds_per_token.get(mode)
                 budget = None if per_token is None else per_token * n
                 r, seg.draft_ahead_s = yield WhileDrafting(first, Call(self._edge.catch_up, None, (run, budget)))
             else:

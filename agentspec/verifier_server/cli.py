@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from agentspec.verifier_server.http import listen
 
+    if (fits := raise_fd_limit(args.config.max_connections)) < args.config.max_connections:
+        args = replace(args, config=replace(args.config, max_connections=fits))
     try:  # listen before the model loads: a taken port fails at once, naming it
         sock = listen(args.host, args.port, args.config.max_connections)
     except OSError as e:
@@ -137,9 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config.api_keys:
         log.warning("no API key set: anyone who can reach %s:%d can use this verifier and its sessions; "
                     "set --api-key-file or AGENTSPEC_API_KEY", args.host, args.port)
-    if (fits := raise_fd_limit(args.config.max_connections)) < args.config.max_connections:
-        args = replace(args, config=replace(args.config, max_connections=fits))
-        sock.cap = fits
     logging.getLogger("asyncio").addFilter(RepeatFilter())
     import uvicorn
 
