@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Generator
 from typing import Any
 
 from agentspec.client.events import SegmentStats
+from agentspec.client.ops import Call, WhileDrafting
 from agentspec.client.run import Run
-from agentspec.drafters.base import DraftContext, catch_up, catchup_tokens, propose_round, take_catchup
+from agentspec.drafters.base import (
+    CATCHUP_MIN,
+    DraftContext,
+    catch_up,
+    catchup_tokens,
+    propose_round,
+    take_catchup,
+)
 from agentspec.router import ModePolicy, ema
 from agentspec.toolcalls import normalise_tools
 from agentspec.types import DraftProposal, SamplingParams
@@ -24,7 +33,7 @@ log = logging.getLogger(__name__)
 # thread and back: with a 0.1-0.3 ms n-gram drafter it hid nothing, and in the router benchmark's --quick
 # run (in-process verifier, 2 cores) edge rounds came out 25-29 % above the closed form against 4-14 % off
 PIPELINE_MIN_DRAFT_S = 0.002
-CATCHUP_CHUNK = 128  # tokens per catch-up prefill while a server segment streams (long enough to run at speed)
+CATCHUP_CHUNK = 128  # the most tokens per catch-up prefill (longer ones barely run faster per token)
 
 
 class EdgeDrafting:
@@ -35,6 +44,11 @@ class EdgeDrafting:
         self.num_draft_tokens, self.pipeline = num_draft_tokens, pipeline
         self.tokenizer, self.preview = tokenizer, preview
         self.round_draft_s: float | None = None  # EMA of one proposal's drafting seconds (fresh or ahead)
+        # a server round's seconds and tokens in the last server segment: how long a catch-up chunk may take
+        self.round_s: float | None = None
+        self.round_tokens: float | None = None
+        self.chunk_s: dict[int, float] = {}  # catch-up chunk seconds (EMA) by tokens prefilled
+        self.last_prompt: list[int] = []  # the last session's prompt: the next one's likely prefix
         self._torch_generator: Any = None
 
     def round(self, run: Run, seg: SegmentStats,
@@ -79,23 +93,67 @@ class EdgeDrafting:
         return (run.mode == "auto" and self.pipeline is not False and "edge" not in run.excluded
                 and getattr(run.drafter, "catch_up", None) is not None)
 
-    def catch_up(self, run: Run, budget_s: float | None) -> float:
-        """While a server-side segment is in flight: prefill the local drafter over the committed tokens, so
-        an edge segment (a probe, or the router's switch) does not pay for it on its critical path. In
-        chunks, for at most about ``budget_s`` (the segment's expected seconds; None: unknown, one chunk):
-        the segment's end waits for this call, and a 0.5B's prefill over a 1k-token agent prompt outlasts a
-        segment of a 1.5B's server rounds. What is left is caught up during the next segments."""
+    def in_flight(self, run: Run, request: Call, tokens: list[int], seg: SegmentStats | None = None,
+                  wait_s: float | None = None, left_tokens: int | None = None) -> Generator[Any, Any, Any]:
+        """Steps that make ``request`` (a session open, a server segment's next line) and return its reply,
+        letting the local drafter catch up over ``tokens`` meanwhile when :meth:`catches_up` says so. Its
+        chunks may take a server round, plus ``wait_s`` (what else the reply waits for: the round trip of a
+        new request), and end a round before the segment's ``left_tokens`` are expected in: the end of a
+        segment is the one line the client waits for (the next request follows it). What it spends goes to
+        ``seg.draft_ahead_s``."""
+        if not tokens or not self.catches_up(run) or not catchup_tokens(run.drafter, tokens):
+            return (yield request)
+        if seg is not None and seg.rounds:
+            self.round_s, self.round_tokens = seg.server_s / seg.rounds, seg.tokens / seg.rounds
+        chunk_s = None if self.round_s is None else self.round_s + (wait_s or 0.0)
+        if chunk_s is not None and left_tokens is not None and self.round_tokens:
+            chunk_s = min(chunk_s, (wait_s or 0.0) + (left_tokens / self.round_tokens - 1) * self.round_s)
+        reply, spent = yield WhileDrafting(request, Call(self.catch_up, None, (run.drafter, tokens, chunk_s)),
+                                           until_reply=True)
+        if seg is not None:
+            seg.draft_ahead_s += spent
+        return reply
+
+    def catch_up(self, drafter: Any, tokens: list[int], chunk_s: float | None, arrived: Callable[[], bool]) -> float:
+        """While a request is in flight: prefill ``drafter`` over ``tokens`` in chunks until ``arrived()``, so
+        an edge segment (a probe, or the router's switch) does not pay for it on its critical path. The request
+        goes on without the client; only what follows its reply waits, for the chunk under way: each is sized
+        to take at most about ``chunk_s`` (a server round's time, so a segment's last line waits a fraction
+        of one). What is left is caught up during the next requests."""
         t0 = time.perf_counter()
-        tokens = run.tokens
-        upto = len(tokens) - catchup_tokens(run.drafter, tokens)  # where the drafter's cache ends
-        while upto < len(tokens) - 1:
-            upto = min(upto + CATCHUP_CHUNK, len(tokens) - 1)
-            c0 = time.perf_counter()
-            catch_up(run.drafter, tokens[: upto + 1])  # prefills all but the last token it is given
-            now = time.perf_counter()
-            if (now - t0) + (now - c0) > (budget_s or 0.0):  # a chunk more would likely outlast the segment
+        upto = len(tokens) - catchup_tokens(drafter, tokens)  # where the drafter's cache ends
+        while len(tokens) - 1 - upto >= CATCHUP_MIN and not arrived():
+            left = len(tokens) - 1 - upto
+            n = self._chunk_tokens(chunk_s)
+            if n == 0:
                 break
+            n = left if left < n + CATCHUP_MIN else n  # no tail too short to prefill on its own
+            c0 = time.perf_counter()
+            catch_up(drafter, tokens[: upto + n + 1])  # prefills all but the last token it is given
+            if n in self.chunk_s:
+                self.chunk_s[n] = ema(self.chunk_s[n], time.perf_counter() - c0, 0.3)
+            elif n & (n - 1) == 0:  # the sizes chosen below (a tail's odd size is not one)
+                self.chunk_s[n] = time.perf_counter() - c0
+            upto += n
         return time.perf_counter() - t0
+
+    def _chunk_tokens(self, chunk_s: float | None) -> int:
+        """The longest catch-up chunk (CATCHUP_MIN doubled up to CATCHUP_CHUNK) measured or bounded to take at
+        most ``chunk_s`` (0: none does, or no time at all; the shortest while either is unknown). An
+        unmeasured size is bounded by twice the size below it (a prefill pass has a fixed cost, so twice the
+        tokens take less than twice the time); measured ones by their EMA."""
+        n = CATCHUP_MIN
+        if chunk_s is not None and chunk_s <= 0:
+            return 0
+        if chunk_s is None or n not in self.chunk_s:
+            return n
+        if self.chunk_s[n] > chunk_s:
+            return 0
+        while 2 * n <= CATCHUP_CHUNK and self.chunk_s.get(2 * n, 2 * self.chunk_s[n]) <= chunk_s:
+            if 2 * n not in self.chunk_s:
+                return 2 * n  # try it: its time is measured from now on
+            n *= 2
+        return n
 
     def draft_ahead(self, run: Run, seg: SegmentStats, prop: DraftProposal) -> float:
         """While a round is in flight: draft the round after it into ``run.ahead``, assuming the target

@@ -43,7 +43,7 @@ class SegmentStats:
     predicted_ms_per_token: dict[str, float] = field(default_factory=dict)
     kind: str = "text"  # content kind at the segment's start: "tool" (inside a tool call's JSON) or "text"
     pipelined: int = 0  # edge rounds whose draft was made while the round before was in flight
-    draft_ahead_s: float = 0.0  # local drafting overlapped with round trips (kept or discarded)
+    draft_ahead_s: float = 0.0  # local drafting overlapped with requests in flight: drafts ahead, catch-ups
     probe: bool = False  # the router ran this mode to re-measure it (a short segment: ModeConfig.probe_tokens)
     catchup_s: float = 0.0  # the local model drafter's prefill of tokens it had not seen (edge; not in draft_s)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,20 +48,29 @@ class Call:
 
 @dataclass(frozen=True)
 class WhileDrafting:
-    """A pipelined edge round: ``post`` in flight while ``draft`` runs; the result is (reply, draft's)."""
+    """A request in flight while local drafting runs: ``post`` while ``draft`` runs; the result is (reply,
+    draft's). ``until_reply``: ``draft`` is also passed a last argument, a thread-safe callable that turns
+    true once the reply is in (so it can stop early)."""
 
     post: Call
     draft: Call
+    until_reply: bool = False
 
     def run(self, pools: Pools) -> tuple[Any, Any]:
         pending = pools["io"].submit(self.post.run, pools)
-        drafted = self.draft.run(pools)
+        draft = Call(self.draft.fn, None, (*self.draft.args, pending.done)) if self.until_reply else self.draft
+        drafted = draft.run(pools)
         return pending.result(), drafted
 
     async def arun(self, pools: Pools) -> tuple[Any, Any]:
         pending = asyncio.ensure_future(self.post.arun(pools))
+        draft = self.draft
+        if self.until_reply:  # the drafting thread may not ask the event loop's future: it asks an Event
+            arrived = threading.Event()
+            pending.add_done_callback(lambda _: arrived.set())
+            draft = Call(self.draft.fn, None, (*self.draft.args, arrived.is_set))
         try:
-            drafted = await self.draft.arun(pools)
+            drafted = await draft.arun(pools)
         except BaseException:
             pending.cancel()
             raise

@@ -211,10 +211,14 @@ class SpecClient:
         """The verifier of ``run``, with a session open on it (opened now when there is none)."""
         t = self.transports[run.verifier]
         if run.sid is None:
-            reply = yield Call(t.post, t.apost, ("/v1/spec/sessions", run.open_request()))
+            # the server prefills the prompt meanwhile: the drafter catches up on the last one (its prefix)
+            opening = Call(t.post, t.apost, ("/v1/spec/sessions", run.open_request()))
+            prefix = run.tokens if run.prompt else self._edge.last_prompt
+            reply = yield from self._edge.in_flight(run, opening, prefix, wait_s=self.policy.network_s())
             self.health.ok(run.verifier)
             info = SessionInfo.model_validate(reply.body)
             run.opened(info)
+            self._edge.last_prompt = run.prompt
             self.policy.observe_open(reply.wall_s, info.prefill_ms / 1e3)
         return t
 
@@ -244,16 +248,13 @@ class SpecClient:
         body = run.generate_request(mode, n, self.server_drafter)
         try:
             lines = yield Call(t.stream_lines, t.astream_lines, (f"/v1/spec/sessions/{run.sid}/generate", body))
-            first = Call(next, anext, (lines, None))
-            if self._edge.catches_up(run):  # the local drafter prefills while the server decodes
-                per_token = self.policy.seconds_per_token.get(mode)
-                budget = None if per_token is None else per_token * n
-                r, seg.draft_ahead_s = yield WhileDrafting(first, Call(self._edge.catch_up, None, (run, budget)))
-            else:
-                r = yield first
+            r = yield from self._edge.in_flight(run, Call(next, anext, (lines, None)), run.tokens, seg,
+                                                self.policy.network_s(), n)
             while run.finish is None and r is not None:
                 yield from self._commit(run, seg, r, 0.0)
-                r = None if run.finish is not None else (yield Call(next, anext, (lines, None)))
+                if run.finish is None:  # while the server decodes on, the local drafter catches up
+                    r = yield from self._edge.in_flight(run, Call(next, anext, (lines, None)), run.tokens, seg,
+                                                        left_tokens=n - seg.tokens)
         finally:
             self._segment_done(run, seg, t0)
 

@@ -12,6 +12,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from agentspec.types import DraftProposal, SamplingParams
 
+# a model drafter's first feed this long is a prefill; shorter ones (a recovered token, a rejected branch) draft
+CATCHUP_MIN = 16
+
 
 @dataclass
 class DraftContext:

@@ -18,11 +18,10 @@ from typing import Any
 import torch
 
 from agentspec import models
-from agentspec.drafters.base import DraftContext, common_prefix, register_drafter
+from agentspec.drafters.base import CATCHUP_MIN, DraftContext, common_prefix, register_drafter
 from agentspec.types import DraftProposal, SparseDist
 from agentspec.verify import sampling_probs
 
-CATCHUP_MIN = 16  # a first feed this long is a prefill; shorter ones (a recovered token, a rejected branch) draft
 
 @register_drafter("model")
 class ModelDrafter:

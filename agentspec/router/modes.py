@@ -123,7 +123,7 @@ class ModePolicy:
             predicted["edge"] += catchup_tokens * (self.t_catchup or 0.0) / c.segment_tokens
         self.last_predictions = {m: s * 1e3 for m, s in predicted.items()}
         due = [m for m in modes if m != self.current and self._needs_probes(m, kind)
-               and self.segments - self.last_used.get(m, 0) >= self.probe_interval.get(m, c.probe_every)]
+               and self.segments - self.last_used.get(m, 0) >= self._probe_after(m, catchup_tokens)]
         if self.segments - self.last_probe < c.probe_every:
             due = []  # at most one probe every probe_every segments, whatever the number of modes
         self.probing = None
@@ -139,6 +139,13 @@ class ModePolicy:
             self.current = pick
         self.last_used[pick] = self.segments
         return pick
+
+    def _probe_after(self, mode: str, catchup_tokens: int) -> int:
+        """Segments since ``mode`` last ran before it is probed again. An edge probe waits up to one more
+        interval for its drafter to have caught up (the client prefills it while server-side segments
+        stream): a probe that starts with a prefill pays for it on top of the rounds it came to measure."""
+        interval = self.probe_interval.get(mode, self.config.probe_every)
+        return 2 * interval if mode == "edge" and catchup_tokens else interval
 
     def predicted(self, mode: str, kind: str = "text") -> float:
         """Expected seconds per token of ``mode`` now: the corrected closed form, else the measured EMA."""

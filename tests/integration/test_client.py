@@ -91,21 +91,23 @@ class ScriptedModes(ModePolicy):
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 async def test_the_edge_drafter_catches_up_while_server_segments_stream(server, target, reference, use_async):
-    """Auto, three 8-token server segments, then edge: the local model drafter prefills the prompt and the
-    server's tokens while those segments stream, so the edge segment starts caught up (no prefill on its
-    critical path, none charged by the router); with pipelining off it prefills all of them there. Both
-    outputs are plain greedy's."""
+    """Auto over a 40 ms round trip, three 8-token server segments, then edge: the local model drafter
+    prefills the prompt and the server's tokens while it waits for the server's lines, so the edge segment
+    starts caught up (no prefill on its critical path, none charged by the router); with pipelining off it
+    prefills all of them there. Both outputs are plain greedy's."""
     out = {}
-    for pipeline in (None, False):
-        policy = ScriptedModes(["server"] * 3)
-        client = SpecClient(server.url, drafter=ModelDrafter(target), tokenizer=target.tokenizer, mode="auto",
-                            segment_tokens=8, policy=policy, pipeline=pipeline)
-        final = (await client.agenerate(MESSAGES, max_tokens=MAX) if use_async
-                 else client.generate(MESSAGES, max_tokens=MAX))
-        client.close()
-        assert final.tokens == reference
-        assert [s.mode for s in final.stats.segments][:4] == ["server"] * 3 + ["edge"]
-        out[pipeline] = final.stats.segments[3].catchup_s, policy.told[3]
+    with DelayProxy("127.0.0.1", int(server.url.rsplit(":", 1)[1]), one_way_delay_s=0.02) as proxy:
+        for pipeline in (None, False):
+            policy = ScriptedModes(["server"] * 3)
+            client = SpecClient(f"http://127.0.0.1:{proxy.port}", drafter=ModelDrafter(target),
+                                tokenizer=target.tokenizer, mode="auto", segment_tokens=8, policy=policy,
+                                pipeline=pipeline)
+            final = (await client.agenerate(MESSAGES, max_tokens=MAX) if use_async
+                     else client.generate(MESSAGES, max_tokens=MAX))
+            client.close()
+            assert final.tokens == reference
+            assert [s.mode for s in final.stats.segments][:4] == ["server"] * 3 + ["edge"]
+            out[pipeline] = final.stats.segments[3].catchup_s, policy.told[3]
     assert out[None] == (0.0, 0)
     assert out[False][0] > 0 and out[False][1] >= 3 * 8  # the prompt and three segments' tokens
 

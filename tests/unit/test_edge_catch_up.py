@@ -1,34 +1,42 @@
-"""The client's catch-up of its local model drafter while a server segment streams: in chunks, within the
-segment's expected time, so the segment's end never waits for a long prefill; the rest follows later."""
+"""The client's catch-up of its local model drafter while a request is in flight (a session open, a server
+segment's next line): in chunks that stop once the reply is in, each sized to about a server round, so what
+follows a reply never waits for a long prefill; the rest follows during later requests."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import pytest
+
 from agentspec.client.edge import CATCHUP_CHUNK, EdgeDrafting
-from agentspec.client.run import Run
+from agentspec.client.ops import Call, Pools, WhileDrafting
 from agentspec.drafters import ModelDrafter
-from agentspec.drafters.base import DraftContext
-from agentspec.types import SamplingParams
+from agentspec.drafters.base import CATCHUP_MIN, DraftContext
 from tests.helpers import make_prompt
 
 
-def _run(drafter: ModelDrafter, tokens: list[int]) -> Run:
-    run = Run([{"role": "user", "content": "x"}], None, 16, SamplingParams(), (), "auto", drafter)
-    run.tokens = list(tokens)
-    return run
+def _after(calls: int):
+    """An ``arrived`` that turns true on its ``calls + 1``-th question."""
+    asked = []
+
+    def arrived() -> bool:
+        asked.append(1)
+        return len(asked) > calls
+    return arrived
 
 
-def test_catch_up_stops_at_the_segments_budget_and_resumes_later(target):
-    tokens = [t for s in range(8) for t in make_prompt(s)]  # 320 tokens: three chunks
-    assert len(tokens) > 2 * CATCHUP_CHUNK + 1
+def test_catch_up_stops_when_the_reply_arrives_and_resumes_later(target):
+    tokens = [t for s in range(8) for t in make_prompt(s)]  # 320 tokens
     edge = EdgeDrafting(4, None, None, preview=False)
     drafter = ModelDrafter(target)
-    run = _run(drafter, tokens)
-    edge.catch_up(run, 0.0)  # no time to spare (or none measured yet): one chunk
-    assert drafter.catchup_tokens(tokens) == len(tokens) - CATCHUP_CHUNK
-    edge.catch_up(run, None)
-    assert drafter.catchup_tokens(tokens) == len(tokens) - 2 * CATCHUP_CHUNK
-    edge.catch_up(run, 60.0)  # time enough: the rest
+    edge.catch_up(drafter, tokens, None, _after(2))  # no round measured yet: the shortest chunks, two of them
+    assert drafter.catchup_tokens(tokens) == len(tokens) - 2 * CATCHUP_MIN
+    edge.catch_up(drafter, tokens, None, _after(0))  # the reply was already in: nothing
+    assert drafter.catchup_tokens(tokens) == len(tokens) - 2 * CATCHUP_MIN
+    edge.catch_up(drafter, tokens, 60.0, _after(10**6))  # a reply far off: the rest, in longer chunks
     assert drafter.catchup_tokens(tokens) == 0 and drafter.take_catchup() == (0, 0.0)
+    assert max(edge.chunk_s) > CATCHUP_MIN
     cold = ModelDrafter(target)  # drafts as a drafter that never caught up
     ctx = DraftContext(tokens, len(tokens))
     assert drafter.propose(ctx, 6).tokens == cold.propose(ctx, 6).tokens
@@ -37,5 +45,47 @@ def test_catch_up_stops_at_the_segments_budget_and_resumes_later(target):
 def test_catch_up_with_nothing_behind_does_nothing(target):
     tokens = make_prompt(0, length=8)  # shorter than a prefill worth making off the critical path
     drafter = ModelDrafter(target)
-    EdgeDrafting(4, None, None, preview=False).catch_up(_run(drafter, tokens), 60.0)
+    EdgeDrafting(4, None, None, preview=False).catch_up(drafter, tokens, 60.0, _after(10**6))
     assert drafter.catchup_tokens(tokens) == 0 and drafter._cached == []
+
+
+@pytest.mark.parametrize(("measured", "chunk_s", "tokens"), [
+    ({}, 0.5, CATCHUP_MIN),  # nothing measured: the shortest
+    ({CATCHUP_MIN: 0.1}, None, CATCHUP_MIN),  # no round measured
+    ({CATCHUP_MIN: 0.3}, 0.25, 0),  # even the shortest outlasts a round: no catch-up
+    ({}, 0.0, 0),  # the segment's last round: no time to catch up in
+    ({CATCHUP_MIN: 0.1}, 0.25, 2 * CATCHUP_MIN),  # twice the shortest is bounded by 0.2: tried
+    ({CATCHUP_MIN: 0.1, 2 * CATCHUP_MIN: 0.15}, 0.25, 2 * CATCHUP_MIN),  # the next bound, 0.3, does not fit
+    ({CATCHUP_MIN: 0.1, 2 * CATCHUP_MIN: 0.12, 4 * CATCHUP_MIN: 0.2}, 0.25, 4 * CATCHUP_MIN),
+    ({CATCHUP_MIN: 0.01, 32: 0.01, 64: 0.01, 128: 0.01}, 60.0, CATCHUP_CHUNK),  # never beyond the longest
+])
+def test_chunks_grow_only_as_far_as_measured_times_allow(measured, chunk_s, tokens):
+    edge = EdgeDrafting(4, None, None, preview=False)
+    edge.chunk_s = dict(measured)
+    assert edge._chunk_tokens(chunk_s) == tokens
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_while_drafting_until_reply_tells_the_draft_when_the_reply_is_in(use_async):
+    """The drafting side of ``WhileDrafting(until_reply=True)`` gets a callable that turns true once the
+    request's reply is in, on the drafting thread too (sync: the caller's; async: the drafting pool's)."""
+    def slow_reply():
+        time.sleep(0.1)
+        return "reply"
+
+    def draft(tag: str, arrived) -> tuple[str, int, bool]:
+        polls = 0
+        while not arrived() and polls < 10_000:
+            polls += 1
+            time.sleep(0.001)
+        return tag, polls, arrived()
+
+    op = WhileDrafting(Call(slow_reply, slow_reply), Call(draft, None, ("d",)), until_reply=True)
+    pools = Pools()
+    try:
+        reply, (tag, polls, arrived) = asyncio.run(op.arun(pools)) if use_async else op.run(pools)
+    finally:
+        for pool in pools.values():
+            pool.shutdown()
+    assert reply == "reply" and tag == "d" and arrived
+    assert 10 <= polls < 10_000  # it waited for the reply, and saw it come

@@ -244,6 +244,24 @@ def test_a_probe_is_judged_without_the_catch_up_it_paid():
     assert policy.probe_interval["edge"] == 2 * policy.config.probe_every  # the same time, uncounted: lost
 
 
+def test_an_edge_probe_waits_for_its_drafter_to_catch_up_but_not_forever():
+    """Server is the better mode (edge's drafting made dear). Edge's probe falls due every ``probe_every``
+    segments; while the local drafter has tokens to catch up on it waits, up to one more interval, then
+    runs all the same (a drafter that never catches up between segments must not shut edge out)."""
+    policy = _edge_and_server(t_catchup=0.004)
+    policy.edge.draft_seconds_per_token = 0.05
+    every = policy.config.probe_every
+
+    def probes(catchup_tokens: int, segments: int) -> list[int]:
+        policy.current, policy.segments, policy.last_probe = "server", 0, 0
+        policy.last_used = {"server": 0, "edge": 0}
+        return [i for i in range(1, segments + 1)
+                if policy.choose(catchup_tokens=catchup_tokens) == "edge" and policy.probing == "edge"]
+
+    assert probes(0, every)[0] == every
+    assert probes(300, 2 * every) == [2 * every]
+
+
 MAX_NEW = 40
 
 
