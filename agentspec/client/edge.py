@@ -93,6 +93,14 @@ class EdgeDrafting:
         return (run.mode == "auto" and self.pipeline is not False and "edge" not in run.excluded
                 and getattr(run.drafter, "catch_up", None) is not None)
 
+    def behind(self, run: Run) -> int:
+        """Tokens the local drafter would prefill before its first edge draft of ``run``. Before the session
+        is open the prompt is not known here: a model drafter is then taken to be at least CATCHUP_MIN
+        behind, as a new call's messages (a tool's result, the user's turn) are new to it."""
+        if run.prompt:
+            return catchup_tokens(run.drafter, run.tokens)
+        return CATCHUP_MIN if getattr(run.drafter, "catch_up", None) is not None else 0
+
     def in_flight(self, run: Run, request: Call, tokens: list[int], seg: SegmentStats | None = None,
                   wait_s: float | None = None, left_tokens: int | None = None) -> Generator[Any, Any, Any]:
         """Steps that make ``request`` (a session open, a server segment's next line) and return its reply,

@@ -24,7 +24,7 @@ from agentspec.client.health import VerifierHealth
 from agentspec.client.ops import Call, Pools, Steps, WhileDrafting, adrive, drive
 from agentspec.client.run import Run
 from agentspec.drafters import make_drafter
-from agentspec.drafters.base import DraftContext, Drafter, catchup_tokens, remember_output
+from agentspec.drafters.base import DraftContext, Drafter, remember_output
 from agentspec.drafters.copy import SuffixIndex
 from agentspec.drafters.replay import shadow_replays
 from agentspec.protocol import SERVER_DRAFTERS, RoundReply, SessionInfo, Tokenize
@@ -167,7 +167,7 @@ class SpecClient:
         """Segments in the modes picked for them until the request is finished; then the parser's rest."""
         while run.finish is None and run.generated < run.max_tokens:
             mode = run.mode if run.mode != "auto" else self.policy.choose(
-                kind=run.kind, exclude=run.excluded, catchup_tokens=catchup_tokens(run.drafter, run.tokens))
+                kind=run.kind, exclude=run.excluded, catchup_tokens=self._edge.behind(run))
             try:
                 if mode == "api":
                     yield from api_segment(run, self.fallback_model, self.timeout, self.api_kwargs)

@@ -89,3 +89,20 @@ def test_while_drafting_until_reply_tells_the_draft_when_the_reply_is_in(use_asy
             pool.shutdown()
     assert reply == "reply" and tag == "d" and arrived
     assert 10 <= polls < 10_000  # it waited for the reply, and saw it come
+
+
+def test_a_new_call_counts_as_behind_until_its_prompt_is_known(target):
+    """Before its session opens a call's prompt is unknown to the client, and its new messages are new to a
+    model drafter: the router is told it is CATCHUP_MIN behind (so an edge probe waits a segment); once the
+    prompt is known, what the drafter really lacks; a drafter without a cache is never behind."""
+    from agentspec.client.run import Run
+    from agentspec.drafters import NgramDrafter
+    from agentspec.types import SamplingParams
+
+    edge = EdgeDrafting(4, None, None, preview=False)
+    tokens = [t for s in range(2) for t in make_prompt(s)]
+    for drafter, before in ((ModelDrafter(target), CATCHUP_MIN), (NgramDrafter(), 0)):
+        run = Run([{"role": "user", "content": "x"}], None, 16, SamplingParams(), (), "auto", drafter)
+        assert edge.behind(run) == before
+        run.prompt, run.tokens = list(tokens), list(tokens)
+        assert edge.behind(run) == (len(tokens) if before else 0)
