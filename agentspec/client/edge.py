@@ -138,10 +138,8 @@ class EdgeDrafting:
             n = left if left < n + CATCHUP_MIN else n  # no tail too short to prefill on its own
             c0 = time.perf_counter()
             catch_up(drafter, tokens[: upto + n + 1])  # prefills all but the last token it is given
-            if n in self.chunk_s:
-                self.chunk_s[n] = ema(self.chunk_s[n], time.perf_counter() - c0, 0.3)
-            elif n & (n - 1) == 0:  # the sizes chosen below (a tail's odd size is not one)
-                self.chunk_s[n] = time.perf_counter() - c0
+            if n & (n - 1) == 0:  # the sizes chosen below (a tail's odd size is not one)
+                self.chunk_s[n] = ema(self.chunk_s.get(n), time.perf_counter() - c0, 0.3)
             upto += n
         return time.perf_counter() - t0
 

@@ -248,13 +248,14 @@ class SpecClient:
         body = run.generate_request(mode, n, self.server_drafter)
         try:
             lines = yield Call(t.stream_lines, t.astream_lines, (f"/v1/spec/sessions/{run.sid}/generate", body))
-            r = yield from self._edge.in_flight(run, Call(next, anext, (lines, None)), run.tokens, seg,
-                                                self.policy.network_s(), n)
-            while run.finish is None and r is not None:
+            wait_s = self.policy.network_s()  # the first line comes a round trip after the request
+            while run.finish is None:  # while the server decodes on, the local drafter catches up
+                r = yield from self._edge.in_flight(run, Call(next, anext, (lines, None)), run.tokens, seg,
+                                                    wait_s, n - seg.tokens)
+                if r is None:
+                    break
                 yield from self._commit(run, seg, r, 0.0)
-                if run.finish is None:  # while the server decodes on, the local drafter catches up
-                    r = yield from self._edge.in_flight(run, Call(next, anext, (lines, None)), run.tokens, seg,
-                                                        left_tokens=n - seg.tokens)
+                wait_s = None
         finally:
             self._segment_done(run, seg, t0)
 
