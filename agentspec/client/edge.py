@@ -57,9 +57,13 @@ class EdgeDrafting:
         the draft made ahead is used only when the committed tokens are the ones it assumed. A model
         drafter's catch-up prefill is not drafting: it goes to ``seg.catchup_s`` and the router."""
         left = run.max_tokens - run.generated - 1  # no draft at all with one token left (γ = -1)
-        gamma = min(policy.gamma("edge", self.num_draft_tokens, kind=run.kind), left) if left > 0 else -1
         ahead, run.ahead = run.ahead, None
-        if ahead is not None and gamma >= 0 and ahead[0] == tuple(run.tokens):
+        if ahead is not None and ahead[0] != tuple(run.tokens):
+            ahead = None  # its hypothesis failed
+        gamma = -1
+        if left > 0:
+            gamma = min(policy.gamma("edge", self.num_draft_tokens, kind=run.kind, drafted=ahead is not None), left)
+        if ahead is not None and gamma >= 0:
             prop, draft_s = _cut(ahead[1], 0, min(len(ahead[1]), gamma + ahead[1].num_forced)), 0.0
             seg.pipelined += 1
         else:

@@ -190,9 +190,10 @@ class ModePolicy:
                                        segment_tokens)
         return None
 
-    def gamma(self, mode: str, gamma_max: int, kind: str = "text") -> int:
-        """Draft length for the next edge round (``kind``: the content kind it drafts)."""
-        return self.edge.choose(gamma_max, kind) if mode == "edge" else gamma_max
+    def gamma(self, mode: str, gamma_max: int, kind: str = "text", drafted: bool = False) -> int:
+        """Draft length for the next edge round (``kind``: the content kind it drafts; ``drafted``: its draft
+        was made ahead, see :meth:`DraftLengthPolicy.choose`)."""
+        return self.edge.choose(gamma_max, kind, drafted) if mode == "edge" else gamma_max
 
     def observe_catchup(self, tokens: int, seconds: float) -> None:
         """A catch-up prefill of the local model drafter: ``tokens`` fed at once in ``seconds``."""

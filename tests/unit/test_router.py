@@ -95,6 +95,18 @@ def test_policy_picks_interior_optimum():
     assert max(policy.last_rates, key=policy.last_rates.get) == 2
 
 
+def test_policy_charges_no_drafting_for_a_draft_made_ahead():
+    # drafting costs as much as a verify pass (the drafter is as slow as the target): γ = 0 pays best when
+    # the round must draft first, but a draft made while the round before was in flight is sunk cost
+    policy = router.DraftLengthPolicy(costs=router.CostCurve(prior={g: 1.0 + 0.02 * g for g in range(9)}),
+                                      acceptance=router.AcceptanceEstimator(prior_alpha=0.8, prior_weight=1e6),
+                                      draft_seconds_per_token=1.0)
+    assert policy.choose(4) == 0
+    assert policy.choose(4, drafted=True) == 4
+    mode_policy = router.ModePolicy(edge=policy)
+    assert mode_policy.gamma("edge", 4) == 0 and mode_policy.gamma("edge", 4, drafted=True) == 4
+
+
 def test_replay_chain_counts_rounds_as_the_engine_would():
     # prompt "1 2 3 4 1 2"; output "3 4 9 1 2 3": the n-gram drafter copies "3 4 1 2" after "1 2"
     tokens = [1, 2, 3, 4, 1, 2, 3, 4, 9, 1, 2, 3]
