@@ -96,6 +96,10 @@ class ChatAgentSpec(BaseChatModel):
     mode: Literal["auto", "edge", "server", "server-ar", "vllm", "api"] = "auto"
     num_draft_tokens: int = Field(default=4, ge=0)
     segment_tokens: int = Field(default=16, ge=1)
+    pipeline: bool | None = None
+    """Edge mode drafts the next round while one is in flight (see :class:`~agentspec.client.SpecClient`):
+    ``None`` (default) for a plain model drafter whose drafting is slow enough to hide, never for the tool
+    drafter; ``True`` always, tool calls included; ``False`` never."""
     fallback_model: str | None = None
     """A litellm model id (``"openai/gpt-4o"``) answering when no verifier is reachable, and in
     ``mode="api"`` (required there); it gets every argument of the call, streamed."""
@@ -201,7 +205,7 @@ class ChatAgentSpec(BaseChatModel):
                           drafter=self.drafter, tokenizer=self.tokenizer, num_draft_tokens=self.num_draft_tokens,
                           mode=self.mode, fallback_model=self.fallback_model, timeout=self.timeout or 60.0,
                           retries=self.max_retries, segment_tokens=self.segment_tokens, policy=self._policy,
-                          api_kwargs=api_kwargs, deployment=self._deployment())
+                          api_kwargs=api_kwargs, deployment=self._deployment(), pipeline=self.pipeline)
 
     def _deployment(self) -> Deployment | None:
         if self.vllm_base_url is None:

@@ -124,6 +124,16 @@ def test_output_equals_plain_greedy(tiny_server, target, wrong_drafter_model, re
     assert "".join(c.text for c in streamed) == text and streamed[-1].chunk_position == "last"
 
 
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_pipeline_reaches_the_client(tiny_server, target, reference, pipeline):
+    """``pipeline`` is the client's: edge rounds drafted while the one before is in flight, or none."""
+    model = ChatAgentSpec(model="tiny", base_url=tiny_server.url, mode="edge", drafter=ModelDrafter(target),
+                          tokenizer=target.tokenizer, max_tokens=MAX, pipeline=pipeline)
+    msg = model.invoke(QUESTION)
+    assert msg.content == reference[0]
+    assert (msg.response_metadata["agentspec"]["pipelined_rounds"] > 0) is pipeline
+
+
 async def test_async_stream_equals_plain_greedy(tiny_server, reference):
     model = ChatAgentSpec(model="tiny", base_url=tiny_server.url, mode="server", max_tokens=MAX)
     chunks = [c async for c in model.astream(QUESTION)]
