@@ -60,12 +60,16 @@ class EdgeDrafting:
         ahead, run.ahead = run.ahead, None
         if ahead is not None and ahead[0] != tuple(run.tokens):
             ahead = None  # its hypothesis failed
-        gamma = -1
+        gamma, made = -1, 0 if ahead is None else len(ahead[1]) - ahead[1].num_forced
         if left > 0:
-            gamma = min(policy.gamma("edge", self.num_draft_tokens, kind=run.kind, drafted=ahead is not None), left)
+            gamma = min(policy.gamma("edge", self.num_draft_tokens, kind=run.kind, drafted=made), left)
         if ahead is not None and gamma >= 0:
             prop, draft_s = _cut(ahead[1], 0, min(len(ahead[1]), gamma + ahead[1].num_forced)), 0.0
             seg.pipelined += 1
+            if gamma > made:  # the draft ahead stopped at the reply: its drafter goes on from where it was
+                more, draft_s, _ = self._propose(run, gamma - made, run.tokens + list(prop.tokens))
+                if len(more) and not more.is_tree:
+                    prop = _join(prop, more)
         else:
             prop, draft_s, (caught, caught_s) = self._propose(run, gamma)
             if caught:  # a prefill: the router charges it to switching to edge, not to the tokens drafted
@@ -165,26 +169,30 @@ class EdgeDrafting:
             n *= 2
         return n
 
-    def draft_ahead(self, run: Run, seg: SegmentStats, prop: DraftProposal) -> float:
+    def draft_ahead(self, run: Run, seg: SegmentStats, prop: DraftProposal, arrived: Callable[[], bool]) -> float:
         """While a round is in flight: draft the round after it into ``run.ahead``, assuming the target
         accepts all of ``prop`` and then emits the drafter's guess; any other outcome discards it, so only
-        drafts of the committed tokens are verified. Returns the drafting seconds."""
+        drafts of the committed tokens are verified. A model drafter stops once ``arrived()`` (the reply is
+        in): drafting on past it would delay the next round for tokens it may not even keep, and charge
+        that delay to the drafter's cost per token. Returns the drafting seconds."""
         left = run.max_tokens - run.generated - len(prop) - 2  # what the next round may draft
         hypothesis = run.tokens + list(prop.tokens)
-        nxt, seconds, (_, caught_s) = self._propose(run, 1 + min(self.num_draft_tokens, left), hypothesis)
-        if len(nxt) and not nxt.is_tree:
+        nxt, seconds, (_, caught_s) = self._propose(run, 1 + min(self.num_draft_tokens, left), hypothesis,
+                                                    arrived)
+        if len(nxt) > 1 and not nxt.is_tree:  # the guess, and a draft after it
             run.ahead = ((*hypothesis, nxt.tokens[0]), _cut(nxt, 1, len(nxt)))
         seg.draft_ahead_s += seconds + caught_s  # a catch-up here overlapped the round trip too
         return seconds + caught_s
 
-    def _propose(self, run: Run, gamma: int, tokens: list[int] | None = None
+    def _propose(self, run: Run, gamma: int, tokens: list[int] | None = None, stop: Callable[[], bool] | None = None
                  ) -> tuple[DraftProposal, float, tuple[int, float]]:
-        """The drafter's proposal of ``gamma`` tokens after ``tokens`` (default: committed ones), its drafting
-        seconds and, apart, the catch-up prefill it made first (tokens, seconds)."""
+        """The drafter's proposal of ``gamma`` tokens after ``tokens`` (default: committed ones; ``stop``: see
+        :class:`DraftContext`), its drafting seconds and, apart, the catch-up prefill it made first (tokens,
+        seconds)."""
         t0 = time.perf_counter()
         ctx = DraftContext(run.tokens if tokens is None else tokens, len(run.prompt), run.sampling,
                            self._generator(run.sampling), tools=run.tools, tool_choice=run.tool_choice,
-                           response_format=run.response_format, constraint=self._constraint(run))
+                           response_format=run.response_format, constraint=self._constraint(run), stop=stop)
         try:
             prop = propose_round(run.drafter, ctx, gamma)
         except ValueError as e:  # ConstraintError (a ValueError): agentspec.constraint loads torch, lazily
@@ -225,6 +233,16 @@ class EdgeDrafting:
 
             self._torch_generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
         return None if sampling.greedy else self._torch_generator
+
+
+def _join(head: DraftProposal, tail: DraftProposal) -> DraftProposal:
+    """Two chain proposals, ``tail`` drafted after ``head``'s last token, as one (a forced lead that fills
+    ``head`` goes on into ``tail``'s)."""
+    probs = None
+    if head.draft_probs is not None or tail.draft_probs is not None:
+        probs = (*(head.draft_probs or (None,) * len(head)), *(tail.draft_probs or (None,) * len(tail)))
+    forced = head.num_forced + (tail.num_forced if head.num_forced == len(head) else 0)
+    return DraftProposal(head.tokens + tail.tokens, None, probs, head.source, forced)
 
 
 def _cut(prop: DraftProposal, start: int, stop: int) -> DraftProposal:

@@ -233,7 +233,8 @@ class SpecClient:
                     yield PreviewEvent(preview)
                 post = Call(t.post, t.apost, (f"/v1/spec/sessions/{run.sid}/rounds", body))
                 if edge.pipelines(run, prop):
-                    r, ahead_s = yield WhileDrafting(post, Call(edge.draft_ahead, None, (run, seg, prop)))
+                    r, ahead_s = yield WhileDrafting(post, Call(edge.draft_ahead, None, (run, seg, prop)),
+                                                      until_reply=True)
                     draft_s += max(ahead_s - r.wall_s, 0.0)  # the reply waited for the draft ahead
                 else:
                     r = yield post

@@ -26,6 +26,9 @@ class DraftContext:
     ``index_key`` names the cross-conversation copy index to use (the API key, server-side).
     ``constraint`` (an :class:`agentspec.constraint.Constraint`) is set when the answer is grammar-constrained:
     a sampling drafter masks its law with it, and :func:`propose_round` prunes what it forbids.
+    ``stop``: a draft made ahead (while the round before is in flight) ends once ``stop()`` turns true, its
+    round's reply being in: a model drafter then drafts no further token after its first, so drafting that
+    was to be hidden never delays the next request by more than the step under way.
     """
 
     tokens: list[int]
@@ -38,6 +41,7 @@ class DraftContext:
     response_format: dict[str, Any] | None = None
     index_key: str = ""
     constraint: Any = None
+    stop: Callable[[], bool] | None = None
 
 
 @runtime_checkable

@@ -87,6 +87,8 @@ class ModelDrafter:
         parent = -1
         chain: list[int] = []
         for _ in range(k):
+            if chain and ctx.stop is not None and ctx.stop():
+                break  # a draft made ahead whose round's reply is in: what is drafted so far is used
             logits = models.forward(self.model, feed, self._cache, num_logits=1)[-1]  # [head rows]
             self._cached.extend(feed)
             if catchup:  # the first forward: its one drafted token's share is noise next to the prefill

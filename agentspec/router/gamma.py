@@ -44,11 +44,11 @@ class DraftLengthPolicy:
         prior = {n - 1: s for n, s in seconds_by_pass_len.items() if n >= 1}
         return cls(costs=CostCurve(prior=prior), **kwargs)  # type: ignore[arg-type]
 
-    def choose(self, gamma_max: int, kind: str = "text", drafted: bool = False) -> int:
+    def choose(self, gamma_max: int, kind: str = "text", drafted: int = 0) -> int:
         """γ for the next round, in ``[0, gamma_max]``; ``kind``: the content kind the round drafts;
-        ``drafted``: its draft is already made (while the round before was in flight), so using more of it
-        costs only verification. Charging that sunk drafting would turn a pipelined drafter off for good: at
-        γ = 0 nothing is drafted ahead, so its hidden cost is never seen."""
+        ``drafted``: tokens of its draft already made (while the round before was in flight), which cost only
+        verification. Charging that sunk drafting would turn a pipelined drafter off for good: at γ = 0
+        nothing is drafted ahead, so its hidden cost is never seen."""
         if gamma_max <= 0:
             return 0
         if self.costs.seconds(0) is None:
@@ -56,7 +56,7 @@ class DraftLengthPolicy:
         self.last_rates = {}
         acceptance = self.current_acceptance(kind)
         for gamma in range(gamma_max + 1):
-            t = (0.0 if drafted else gamma * self.draft_seconds_per_token) + (self.costs.seconds(gamma) or 0.0)
+            t = max(gamma - drafted, 0) * self.draft_seconds_per_token + (self.costs.seconds(gamma) or 0.0)
             self.last_rates[gamma] = acceptance.expected_tokens(gamma) / t if t > 0 else 0.0
         best = max(self.last_rates, key=lambda g: (self.last_rates[g], -g))
         self._zero_streak = self._zero_streak + 1 if best == 0 else 0

@@ -190,9 +190,9 @@ class ModePolicy:
                                        segment_tokens)
         return None
 
-    def gamma(self, mode: str, gamma_max: int, kind: str = "text", drafted: bool = False) -> int:
-        """Draft length for the next edge round (``kind``: the content kind it drafts; ``drafted``: its draft
-        was made ahead, see :meth:`DraftLengthPolicy.choose`)."""
+    def gamma(self, mode: str, gamma_max: int, kind: str = "text", drafted: int = 0) -> int:
+        """Draft length for the next edge round (``kind``: the content kind it drafts; ``drafted``: tokens of
+        its draft made ahead, see :meth:`DraftLengthPolicy.choose`)."""
         return self.edge.choose(gamma_max, kind, drafted) if mode == "edge" else gamma_max
 
     def observe_catchup(self, tokens: int, seconds: float) -> None:

@@ -116,18 +116,20 @@ async def test_the_edge_drafter_catches_up_while_server_segments_stream(server, 
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 async def test_pipelined_edge_equals_plain_greedy(server, target, wrong_drafter_model, reference, drafter_kind,
                                                   use_async):
-    """Edge mode drafting each round while the one before is in flight: with the target as its own
-    drafter every draft made ahead is used; with a wrong drafter most are discarded. The output is plain
-    greedy's either way, and switching pipelining off uses none."""
+    """Edge mode drafting each round while the one before is in flight (over a 20 ms round trip, so the
+    draft ahead, which stops once the reply is in, has time to draft): with the target as its own drafter
+    every draft made ahead is used; with a wrong drafter most are discarded. The output is plain greedy's
+    either way, and switching pipelining off uses none."""
     model = target if drafter_kind == "right" else wrong_drafter_model
     finals = {}
-    for pipeline in (True, False):
-        client = SpecClient(server.url, drafter=ModelDrafter(model), mode="edge", num_draft_tokens=3,
-                            pipeline=pipeline)  # on regardless of how fast the tiny drafter is
-        finals[pipeline] = (await client.agenerate(MESSAGES, max_tokens=MAX) if use_async
-                            else client.generate(MESSAGES, max_tokens=MAX))
-        client.close()
-        assert finals[pipeline].tokens == reference
+    with DelayProxy("127.0.0.1", int(server.url.rsplit(":", 1)[1]), one_way_delay_s=0.01) as proxy:
+        for pipeline in (True, False):
+            client = SpecClient(f"http://127.0.0.1:{proxy.port}", drafter=ModelDrafter(model), mode="edge",
+                                num_draft_tokens=3, pipeline=pipeline)  # on however fast the tiny drafter is
+            finals[pipeline] = (await client.agenerate(MESSAGES, max_tokens=MAX) if use_async
+                                else client.generate(MESSAGES, max_tokens=MAX))
+            client.close()
+            assert finals[pipeline].tokens == reference
     on, off = (finals[x].stats.to_dict() for x in (True, False))
     assert off["pipelined_rounds"] == 0 and off["draft_ahead_s"] == 0
     assert on["draft_ahead_s"] > 0

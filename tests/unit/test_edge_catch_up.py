@@ -106,3 +106,48 @@ def test_a_new_call_counts_as_behind_until_its_prompt_is_known(target):
         assert edge.behind(run) == before
         run.prompt, run.tokens = list(tokens), list(tokens)
         assert edge.behind(run) == (len(tokens) if before else 0)
+
+
+def test_a_draft_ahead_stops_when_its_rounds_reply_is_in(target):
+    """Drafting the next round while one is in flight ends once the reply is in (after the step under way):
+    drafting on would delay the next request. A draft cut short is the same draft's prefix; one with only the
+    guess (no token after it) is not kept."""
+    from agentspec.client.events import SegmentStats
+    from agentspec.client.run import Run
+    from agentspec.types import DraftProposal, SamplingParams
+
+    tokens = make_prompt(0)
+    prop = DraftProposal(tokens=tuple(ModelDrafter(target).propose(DraftContext(tokens, len(tokens)), 2).tokens))
+    aheads = {}
+    for polls in (0, 3, 10**6):  # the reply: in before the first question, after three, never
+        run = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "edge", ModelDrafter(target))
+        run.prompt, run.tokens = list(tokens), list(tokens)
+        seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, {}, "text")
+        EdgeDrafting(6, True, None, preview=False).draft_ahead(run, seg, prop, _after(polls))
+        aheads[polls] = run.ahead
+    assert aheads[0] is None  # the guess alone: nothing to draft with
+    full = aheads[10**6]
+    assert full[0] == (*tokens, *prop.tokens, full[0][-1]) and len(full[1]) == 6  # the guess, then 6 drafts
+    assert aheads[3][0] == full[0] and aheads[3][1].tokens == full[1].tokens[:3]
+
+
+def test_a_draft_ahead_cut_short_is_drafted_on_to_the_rounds_length(target):
+    """A draft ahead that stopped at the reply is a head start: when its hypothesis holds, the next round
+    drafts on from it up to γ, and sends what a fresh draft of γ would have been."""
+    from agentspec.client.events import SegmentStats
+    from agentspec.client.run import Run
+    from agentspec.router import ModePolicy
+    from agentspec.types import DraftProposal, SamplingParams
+
+    tokens = make_prompt(1)
+    prop = DraftProposal(tokens=tuple(ModelDrafter(target).propose(DraftContext(tokens, len(tokens)), 2).tokens))
+    run = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "edge", ModelDrafter(target))
+    run.prompt, run.tokens = list(tokens), list(tokens)
+    seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, {}, "text")
+    edge = EdgeDrafting(6, True, None, preview=False)
+    edge.draft_ahead(run, seg, prop, _after(1))  # the guess and one draft
+    assert len(run.ahead[1]) == 1
+    run.tokens = list(run.ahead[0])  # the hypothesis held
+    _, _, _, sent = edge.round(run, seg, ModePolicy())  # nothing measured: γ = 6
+    fresh = ModelDrafter(target).propose(DraftContext(run.tokens, len(tokens)), 6)
+    assert seg.pipelined == 1 and sent.tokens == fresh.tokens and len(sent) == 6

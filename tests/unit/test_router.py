@@ -102,9 +102,10 @@ def test_policy_charges_no_drafting_for_a_draft_made_ahead():
                                       acceptance=router.AcceptanceEstimator(prior_alpha=0.8, prior_weight=1e6),
                                       draft_seconds_per_token=1.0)
     assert policy.choose(4) == 0
-    assert policy.choose(4, drafted=True) == 4
+    assert policy.choose(4, drafted=4) == 4
+    assert policy.choose(4, drafted=2) == 2  # two made ahead: drafting two more costs more than they add
     mode_policy = router.ModePolicy(edge=policy)
-    assert mode_policy.gamma("edge", 4) == 0 and mode_policy.gamma("edge", 4, drafted=True) == 4
+    assert mode_policy.gamma("edge", 4) == 0 and mode_policy.gamma("edge", 4, drafted=4) == 4
 
 
 def test_replay_chain_counts_rounds_as_the_engine_would():
