@@ -12,8 +12,9 @@ in rotated order per task, with its own API key (no method reuses another's prom
 * ``plain`` — ``server-ar``, one request per model call: one target pass per token (the reference);
 * ``server`` — the verifier drafts (grammar + copy), one request per model call;
 * ``edge_0.5b`` — the agent's machine drafts with the 0.5B merged into the grammar + copy tree;
-* ``edge_0.5b_ahead`` — edge_0.5b with ``pipeline=True``: after a chain draft, the next round is drafted
-  while it is in flight, on the hypothesis that all of it is accepted (off by default for the tool drafter);
+* ``edge_0.5b_sync`` — edge_0.5b with ``pipeline=False``: each round drafted after the reply before it, not
+  while that round is in flight (``agent_ahead.json`` measured the two side by side before pipelining became
+  the tool drafter's default, under the name ``edge_0.5b_ahead`` for the pipelined one);
 * ``edge_tuned`` — the same with the 0.5B fine-tuned on the 1.5B's answers (``--tuned-drafter``, made by
   ``python -m benchmarks.train --pair``), so the edge speed-up before and after fine-tuning is measured side by side;
 * ``edge_small`` — the same with the wave-1 recipe's drafter: the 1.5B's own first two layers trained on its
@@ -57,7 +58,7 @@ from benchmarks.server import Verifier
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 MODE = {"plain": "server-ar", "server": "server", "server_small": "server", "edge_0.5b": "edge",
-        "edge_0.5b_ahead": "edge", "edge_tuned": "edge", "edge_small": "edge", "auto": "auto"}
+        "edge_0.5b_sync": "edge", "edge_tuned": "edge", "edge_small": "edge", "auto": "auto"}
 # the local drafters besides the 0.5B: name -> (default directory, the command that makes it), and who uses them
 MADE = {"tuned": ("drafters/pair-0.5b-lora", "python -m benchmarks.train --pair"),
         "small": ("drafters/pair-1.5b-2l", "python -m benchmarks.train --pair --recipe from-target")}
@@ -76,13 +77,13 @@ def make_model(url: str, method: str, key: str, drafters: dict[str, Any], args: 
     ``drafters``: the local models, ``"0.5b"`` (edge_0.5b), ``"tuned"`` (edge_tuned), ``"small"`` (edge_small);
     auto drafts with ``args.auto_drafter``'s."""
     whole = method == "plain"
-    local = {"edge_0.5b": "0.5b", "edge_0.5b_ahead": "0.5b", "auto": args.auto_drafter, "edge_tuned": "tuned", "edge_small": "small"}.get(method)
+    local = {"edge_0.5b": "0.5b", "edge_0.5b_sync": "0.5b", "auto": args.auto_drafter, "edge_tuned": "tuned", "edge_small": "small"}.get(method)
     return ChatAgentSpec(model=TARGET, base_url=url, api_key=key, mode=MODE[method], temperature=0,
                          max_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                          segment_tokens=args.max_new_tokens if whole else args.segment_tokens,
                          drafter=ModelDrafter(drafters[local]) if local else None,
                          tokenizer=drafters["0.5b"].tokenizer, timeout=900, logprobs=True, top_logprobs=2,
-                         pipeline=True if method.endswith("_ahead") else None)
+                         pipeline=False if method.endswith("_sync") else None)
 
 
 def run_task(model: ChatAgentSpec, task: Task, max_steps: int, system_prompt: str | None) -> dict[str, Any]:

@@ -98,8 +98,8 @@ class ChatAgentSpec(BaseChatModel):
     segment_tokens: int = Field(default=16, ge=1)
     pipeline: bool | None = None
     """Edge mode drafts the next round while one is in flight (see :class:`~agentspec.client.SpecClient`):
-    ``None`` (default) for a plain model drafter whose drafting is slow enough to hide, never for the tool
-    drafter; ``True`` always, tool calls included; ``False`` never."""
+    ``None`` (default) where a round's drafting is slow enough to be worth hiding; ``True`` always;
+    ``False`` never."""
     fallback_model: str | None = None
     """A litellm model id (``"openai/gpt-4o"``) answering when no verifier is reachable, and in
     ``mode="api"`` (required there); it gets every argument of the call, streamed."""

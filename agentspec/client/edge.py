@@ -83,15 +83,13 @@ class EdgeDrafting:
 
     def pipelines(self, run: Run, prop: DraftProposal) -> bool:
         """Whether to draft the round after this one while it is in flight. Chains only: a tree has no one
-        hypothesis to draft after. The tool drafter (grammar + copy + model) can draft ahead losslessly: its
+        hypothesis to draft after. The tool drafter (grammar + copy + model) drafts ahead losslessly too: its
         grammar follows whatever tokens it is given and re-follows the committed ones when a hypothesis
-        fails, copies are looked up afresh, a model drafter crops its cache. It does so only when asked
-        (``pipeline=True``): by default it drafts after each reply, because drafting its rounds ahead lowered
-        the tokens committed per round in the agent benchmark, for a cause not yet found."""
+        fails, copies are looked up afresh, a model drafter crops its cache. By default (``pipeline=None``)
+        only where a round's drafting is long enough to be worth hiding."""
         worth = self.pipeline
         if worth is None:
-            worth = ((self.round_draft_s or 0.0) >= PIPELINE_MIN_DRAFT_S
-                     and not getattr(run.drafter, "merges_sources", False))
+            worth = (self.round_draft_s or 0.0) >= PIPELINE_MIN_DRAFT_S
         return (worth and len(prop) > 0 and not prop.is_tree
                 and run.max_tokens - run.generated - len(prop) - 2 >= 0)  # γ = 0: the policy turned drafting off
 

@@ -47,9 +47,8 @@ class SpecClient:
     line included; each of ``retries`` attempts has its own) and litellm's ``timeout`` for the API call;
     not a deadline for the whole call. ``log_path``: opt-in chat JSONL log for ``agentspec train``.
     ``server_drafter``: the verifier's server-mode drafter. ``pipeline``: in edge mode, draft the next
-    round while this one is in flight (``True``: always; ``None``: while drafting takes
-    ``PIPELINE_MIN_DRAFT_S`` or more, and not for tool-calling requests, drafted by the grammar + copy + model
-    tree: :meth:`~agentspec.client.edge.EdgeDrafting.pipelines`);
+    round while this one is in flight, stopping once its reply is in (``True``: always; ``None``: while
+    drafting takes ``PIPELINE_MIN_DRAFT_S`` or more: :meth:`~agentspec.client.edge.EdgeDrafting.pipelines`);
     in ``auto``, also let a local model drafter prefill the tokens committed in server-side modes while
     their segments stream (``False``: neither), so switching to edge does not wait for that prefill.
     ``policy``: a router to share; its config gets this client's γ, segment length, shadowed modes and which

@@ -36,7 +36,7 @@ class TreeDrafter:
 
     name = "tree"
     drafts_forced = True
-    merges_sources = True  # already a tool drafter: never wrapped in another; drafts ahead only on request
+    merges_sources = True  # already a tool drafter: never wrapped in another
 
     def __init__(self, grammar: GrammarDrafter | None = None, copy: CopyDrafter | None = None,
                  model: Drafter | None = None, node_budget: int = 0, max_forced: int = 16,
