@@ -77,7 +77,8 @@ def make_model(url: str, method: str, key: str, drafters: dict[str, Any], args: 
     ``drafters``: the local models, ``"0.5b"`` (edge_0.5b), ``"tuned"`` (edge_tuned), ``"small"`` (edge_small);
     auto drafts with ``args.auto_drafter``'s."""
     whole = method == "plain"
-    local = {"edge_0.5b": "0.5b", "edge_0.5b_sync": "0.5b", "auto": args.auto_drafter, "edge_tuned": "tuned", "edge_small": "small"}.get(method)
+    local = {"edge_0.5b": "0.5b", "edge_0.5b_sync": "0.5b", "auto": args.auto_drafter, "edge_tuned": "tuned",
+             "edge_small": "small"}.get(method)
     return ChatAgentSpec(model=TARGET, base_url=url, api_key=key, mode=MODE[method], temperature=0,
                          max_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                          segment_tokens=args.max_new_tokens if whole else args.segment_tokens,

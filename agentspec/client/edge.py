@@ -60,7 +60,8 @@ class EdgeDrafting:
         ahead, run.ahead = run.ahead, None
         if ahead is not None and ahead[0] != tuple(run.tokens):
             ahead = None  # its hypothesis failed
-        gamma, made = -1, 0 if ahead is None else len(ahead[1]) - ahead[1].num_forced
+        made = 0 if ahead is None else len(ahead[1]) - ahead[1].num_forced  # free drafts γ may use
+        gamma = -1
         if left > 0:
             gamma = min(policy.gamma("edge", self.num_draft_tokens, kind=run.kind, drafted=made), left)
         if ahead is not None and gamma >= 0:
