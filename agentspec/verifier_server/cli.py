@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
     p.add_argument("--draft-model", default=env("draft_model", None),
                    help="server-side drafter for server mode (same tokenizer); default: n-gram drafting")
+    p.add_argument("--draft-quantize", default=env("draft_quantize", None), choices=["int8", "int4"],
+                   help="weight-only quantised linears for --draft-model on the CPU: a quarter (int4) or half "
+                        "(int8) of the bytes per drafting step; output stays the target's (it verifies every draft)")
     p.add_argument("--host", default=env("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("port", 8000)))
     p.add_argument("--api-key", action="append", default=None,
@@ -64,6 +67,7 @@ class Args:
     device: str
     allow_download: bool
     log_level: str
+    draft_quantize: str | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -73,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> Args:
     model = a.model_flag or a.model
     if not model:
         parser.error("MODEL is required (positional, --model or AGENTSPEC_MODEL)")
+    if a.draft_quantize and not a.draft_model:
+        parser.error("--draft-quantize quantises the --draft-model: pass one, or drop --draft-quantize")
+    if a.draft_quantize and a.device not in ("cpu", "auto"):
+        parser.error(f"--draft-quantize runs on the CPU only; drop it for --device {a.device}")
     keys = a.api_key or [k.strip() for k in str(env("api_key", "")).split(",") if k.strip()]
     if a.api_key_file:
         try:
@@ -85,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
     names = a.served_model_name.split() if isinstance(a.served_model_name, str) else list(a.served_model_name or [])
     config = config_from_flags(a, served_model_name=names[0] if names else model, model_aliases=tuple(names[1:]),
                                api_keys=tuple(keys))
-    return Args(model, a.draft_model, a.host, a.port, config, a.dtype, a.device, a.allow_download, a.log_level)
+    return Args(model, a.draft_model, a.host, a.port, config, a.dtype, a.device, a.allow_download, a.log_level,
+                a.draft_quantize)
 
 
 def build_engine(args: Args, load_now: bool = True):  # -> VerifierEngine
@@ -101,7 +110,7 @@ def build_engine(args: Args, load_now: bool = True):  # -> VerifierEngine
         draft = None
         if args.draft_model:
             draft = models.load_model(args.draft_model, device=target.device, dtype=target.dtype,
-                                      allow_download=args.allow_download)
+                                      allow_download=args.allow_download, quantize=args.draft_quantize)
         return target, draft
 
     log.info("loading model %s (dtype %s, device %s)%s", args.model, args.dtype, args.device,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import replace
 
 import pytest
+import torch
 
+from agentspec import models
 from agentspec.client import FinalEvent, SpecClient, TextEvent
 from agentspec.drafters import ModelDrafter, NgramDrafter
 from agentspec.router import DraftLengthPolicy, ModeConfig, ModePolicy
@@ -50,6 +53,24 @@ def test_every_mode_equals_plain_greedy(server, target, reference, mode):
     else:
         assert modes == {mode}
     client.close()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantised_drafter_is_lossless_at_the_edge_and_on_the_server(target, reference, scheme):
+    """The target's own int4/int8 copy drafts (close, not equal: some drafts are rejected); the output is
+    plain greedy's either way, drafted on the client (edge) or next to the target (server)."""
+    model = copy.deepcopy(target.model).cpu()
+    assert models.quantize_linears(model, scheme) > 0
+    drafter = replace(target, model=model, device=torch.device("cpu"), name=f"{target.name}-{scheme}")
+    with LoopbackServer(target, config(), draft_model=drafter) as srv:
+        for mode in ("edge", "server"):
+            client = SpecClient(srv.url, drafter=ModelDrafter(drafter), tokenizer=target.tokenizer, mode=mode,
+                                segment_tokens=8)
+            final = client.generate(MESSAGES, max_tokens=MAX)
+            client.close()
+            assert final.tokens == reference, mode
+            rounds = sum(s.rounds for s in final.stats.segments)
+            assert rounds < len(reference), mode  # the quantised drafter's tokens were accepted
 
 
 def test_auto_probes_run_short_segments_and_stay_lossless(server, target, reference):

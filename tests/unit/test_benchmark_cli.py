@@ -11,12 +11,15 @@ def test_command_line_picks_methods_and_refuses_what_it_cannot_run(tmp_path, cap
     none = ["--tuned-drafter", "none", "--small-drafter", "none"]
     args, tasks, methods, rtts = parse_args(["--methods", "server,edge_0.5b", "--rtts", "0,50", "--tasks", "2", *none])
     assert methods == ("plain", "server", "edge_0.5b") and rtts == [0.0, 50.0] and len(tasks) == 2
-    assert parse_args(none)[2] == ("plain", "server", "edge_0.5b", "edge_0.5b_sync", "auto")  # no trained drafters: left out
+    assert parse_args(none)[2] == ("plain", "server", "server_0.5b_int4", "edge_0.5b", "edge_0.5b_int4",
+                                   "edge_0.5b_sync", "auto")  # no trained drafters: left out
     made = tmp_path / "small"
     made.mkdir()
     (made / "config.json").write_text("{}")
     _, _, methods, _ = parse_args(["--small-drafter", str(made), "--tuned-drafter", "none", "--auto-drafter", "small"])
-    assert methods == ("plain", "server", "server_small", "edge_0.5b", "edge_0.5b_sync", "edge_small", "auto")
+    assert methods == ("plain", "server", "server_small", "server_0.5b_int4", "edge_0.5b", "edge_0.5b_int4",
+                       "edge_0.5b_sync", "edge_small", "auto")
+    assert parse_args([*none, "--auto-drafter", "0.5b_int4"])[0].auto_drafter == "0.5b_int4"  # made on the fly
     for bad, says in ((["--methods", "server,warp"], "unknown ['warp']"), (["--rtts", "0,fast"], "--rtts"),
                       (["--small-drafter", str(tmp_path / "missing"), "--tuned-drafter", "none"], "no drafter there"),
                       ([*none, "--auto-drafter", "small"], "--auto-drafter small")):

@@ -92,6 +92,18 @@ def test_verifier_accepts_every_dtype_spelling_load_model_does():
         verifier_cli.parse_args(["m", "--dtype", "fp8"])
 
 
+def test_verifier_quantises_only_a_draft_model_on_the_cpu(capsys):
+    args = verifier_cli.parse_args(["m", "--draft-model", "d", "--draft-quantize", "int4", "--device", "cpu"])
+    assert (args.draft_model, args.draft_quantize) == ("d", "int4")
+    assert verifier_cli.parse_args(["m"]).draft_quantize is None
+    for argv, says in ((["m", "--draft-quantize", "int4"], "quantises the --draft-model"),
+                       (["m", "--draft-model", "d", "--draft-quantize", "int4", "--device", "cuda"], "CPU only"),
+                       (["m", "--draft-model", "d", "--draft-quantize", "nf4"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            verifier_cli.parse_args(argv)
+        assert says in capsys.readouterr().err
+
+
 @pytest.fixture
 def taken_port():
     with socket.socket() as sock:
