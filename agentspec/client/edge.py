@@ -24,7 +24,7 @@ from agentspec.drafters.base import (
     take_catchup,
 )
 from agentspec.router import ModePolicy, ema
-from agentspec.toolcalls import normalise_tools
+from agentspec.toolcalls import normalise_tools, render_chat
 from agentspec.types import DraftProposal, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -94,11 +94,26 @@ class EdgeDrafting:
         return (worth and len(prop) > 0 and not prop.is_tree
                 and run.max_tokens - run.generated - len(prop) - 2 >= 0)  # γ = 0: the policy turned drafting off
 
-    def catches_up(self, run: Run) -> bool:
-        """Whether a server-side segment of ``run`` should let the local drafter catch up meanwhile: in auto,
-        while edge may be chosen, for drafters with a cache to fill, unless pipelining is off."""
-        return (run.mode == "auto" and self.pipeline is not False and "edge" not in run.excluded
-                and getattr(run.drafter, "catch_up", None) is not None)
+    def catches_up(self, run: Run, opening: bool = False) -> bool:
+        """Whether a request of ``run`` in flight should let the local drafter catch up meanwhile: in auto
+        (while edge may be chosen) during server-side segments, and in edge mode too while the session opens
+        (the server prefills the same tokens, so the client would only wait); for drafters with a cache to
+        fill, unless pipelining is off."""
+        return (run.mode in (("auto", "edge") if opening else ("auto",)) and self.pipeline is not False
+                and "edge" not in run.excluded and getattr(run.drafter, "catch_up", None) is not None)
+
+    def expected_prompt(self, run: Run) -> list[int]:
+        """The prompt ``run``'s session will most likely get, for the drafter to prefill while it opens: the
+        messages rendered with the client's tokenizer (the target's template renders them on the server; a
+        template that differs only costs the tokens after the first difference), else the last prompt."""
+        if run.prompt:
+            return run.tokens
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None) and run.messages:
+            try:
+                return render_chat(self.tokenizer, run.messages, run.tools)
+            except Exception as e:  # noqa: BLE001 (a hint only: the server renders and checks the messages)
+                log.debug("could not render the prompt ahead of the session: %s", e)
+        return self.last_prompt
 
     def behind(self, run: Run) -> int:
         """Tokens the local drafter would prefill before its first edge draft of ``run``. Before the session
@@ -109,14 +124,15 @@ class EdgeDrafting:
         return CATCHUP_MIN if getattr(run.drafter, "catch_up", None) is not None else 0
 
     def in_flight(self, run: Run, request: Call, tokens: list[int], seg: SegmentStats | None = None,
-                  wait_s: float | None = None, left_tokens: int | None = None) -> Generator[Any, Any, Any]:
+                  wait_s: float | None = None, left_tokens: int | None = None,
+                  opening: bool = False) -> Generator[Any, Any, Any]:
         """Steps that make ``request`` (a session open, a server segment's next line) and return its reply,
         letting the local drafter catch up over ``tokens`` meanwhile when :meth:`catches_up` says so. Its
         chunks may take a server round, plus ``wait_s`` (what else the reply waits for: the round trip of a
         new request), and end a round before the segment's ``left_tokens`` are expected in: the end of a
         segment is the one line the client waits for (the next request follows it). What it spends goes to
-        ``seg.draft_ahead_s``."""
-        if not tokens or not self.catches_up(run) or not catchup_tokens(run.drafter, tokens):
+        ``seg.draft_ahead_s``; ``opening``: ``request`` opens the session (see :meth:`catches_up`)."""
+        if not tokens or not self.catches_up(run, opening) or not catchup_tokens(run.drafter, tokens):
             return (yield request)
         if seg is not None and seg.rounds:
             self.round_s, self.round_tokens = seg.server_s / seg.rounds, seg.tokens / seg.rounds

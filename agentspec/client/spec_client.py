@@ -210,10 +210,11 @@ class SpecClient:
         """The verifier of ``run``, with a session open on it (opened now when there is none)."""
         t = self.transports[run.verifier]
         if run.sid is None:
-            # the server prefills the prompt meanwhile: the drafter catches up on the last one (its prefix)
+            # the server prefills the prompt meanwhile: the drafter prefills the one it expects (edge, auto)
             opening = Call(t.post, t.apost, ("/v1/spec/sessions", run.open_request()))
-            prefix = run.tokens if run.prompt else self._edge.last_prompt
-            reply = yield from self._edge.in_flight(run, opening, prefix, wait_s=self.policy.network_s())
+            prefix = self._edge.expected_prompt(run)
+            reply = yield from self._edge.in_flight(run, opening, prefix, wait_s=self.policy.network_s(),
+                                                    opening=True)
             self.health.ok(run.verifier)
             info = SessionInfo.model_validate(reply.body)
             run.opened(info)

@@ -5,6 +5,7 @@ follows a reply never waits for a long prefill; the rest follows during later re
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 
 import pytest
@@ -106,6 +107,48 @@ def test_a_new_call_counts_as_behind_until_its_prompt_is_known(target):
         assert edge.behind(run) == before
         run.prompt, run.tokens = list(tokens), list(tokens)
         assert edge.behind(run) == (len(tokens) if before else 0)
+
+
+def test_the_drafter_prefills_the_prompt_it_expects_while_the_session_opens(target):
+    """While a session opens the server prefills the call's prompt; the client's drafter prefills the prompt
+    the client renders from the same messages (in edge mode too, where the client would only wait). A
+    prompt it cannot render falls back to the last session's; a known prompt is used as it is."""
+    from agentspec.client.run import Run
+    from agentspec.toolcalls import render_chat
+    from agentspec.types import SamplingParams
+
+    messages = [{"role": "user", "content": "what is the weather in Lisbon and in Oslo today?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    edge = EdgeDrafting(4, None, target.tokenizer, preview=False)
+    edge.last_prompt = [5, 6, 7]
+    runs = {mode: Run(messages, tools, 16, SamplingParams(), (), mode, ModelDrafter(target))
+            for mode in ("edge", "auto", "server")}
+    assert edge.expected_prompt(runs["edge"]) == render_chat(target.tokenizer, messages, tools)
+    assert edge.catches_up(runs["edge"], opening=True) and not edge.catches_up(runs["edge"])
+    assert edge.catches_up(runs["auto"], opening=True) and edge.catches_up(runs["auto"])
+    assert not edge.catches_up(runs["server"], opening=True)
+    assert not EdgeDrafting(4, False, target.tokenizer, preview=False).catches_up(runs["edge"], opening=True)
+    refusing = copy.deepcopy(target.tokenizer)
+    refusing.chat_template = "{{ raise_exception('this template renders nothing') }}"
+    fallback = EdgeDrafting(4, None, refusing, preview=False)
+    fallback.last_prompt = [5, 6, 7]
+    assert fallback.expected_prompt(runs["edge"]) == [5, 6, 7]
+    assert EdgeDrafting(4, None, None, preview=False).expected_prompt(runs["edge"]) == []  # no tokenizer
+    runs["edge"].prompt = runs["edge"].tokens = [9, 9, 9, 4]
+    assert edge.expected_prompt(runs["edge"]) == [9, 9, 9, 4]
+
+    drafter, opened = runs["edge"].drafter, []
+    runs["edge"].prompt = runs["edge"].tokens = []
+    expected = edge.expected_prompt(runs["edge"])
+    steps = edge.in_flight(runs["edge"], Call(lambda: opened.append(1) or "reply", None, ()), expected,
+                           opening=True)
+    item = next(steps)  # the open goes out with the drafter's prefill beside it
+    assert isinstance(item, WhileDrafting) and item.until_reply
+    spent = item.draft.fn(*item.draft.args, lambda: False)  # a slow server: the whole prompt is prefilled
+    assert spent > 0 and drafter.catchup_tokens(expected) == 0
+    with pytest.raises(StopIteration) as done:
+        steps.send(("reply", spent))
+    assert done.value.value == "reply"
 
 
 def test_a_draft_ahead_stops_when_its_rounds_reply_is_in(target):
