@@ -212,7 +212,8 @@ class SpecClient:
         if run.sid is None:
             # the server prefills the prompt meanwhile: the drafter prefills the one it expects (edge, auto)
             opening = Call(t.post, t.apost, ("/v1/spec/sessions", run.open_request()))
-            prefix = self._edge.expected_prompt(run)
+            # (rendered only when the drafter will use it: the open is on the critical path)
+            prefix = self._edge.expected_prompt(run) if self._edge.catches_up(run, opening=True) else []
             reply = yield from self._edge.in_flight(run, opening, prefix, wait_s=self.policy.network_s(),
                                                     opening=True)
             self.health.ok(run.verifier)

@@ -235,12 +235,11 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
     model.to(dev).eval()
     if path.is_dir() and (path / DRAFT_VOCAB_FILE).exists():  # a drafter saved with a reduced vocabulary
         restrict_output_vocab(model, json.loads((path / DRAFT_VOCAB_FILE).read_text()))
-    if quantize is not None:  # instead of packing: these linears read their own quantised layout
-        quantize_linears(model, quantize)
-        return LoadedModel(model=model, tokenizer=tokenizer, name=source, device=dev, dtype=dt)
     if pack_linears is None:
         pack_linears = dev.type == "cpu" and os.environ.get("AGENTSPEC_PACK_LINEARS", "1") != "0"
-    if pack_linears:
+    if quantize is not None:  # instead of packing: these linears read their own quantised layout
+        quantize_linears(model, quantize)
+    elif pack_linears:
         pack_cpu_linears(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=source, device=dev, dtype=dt)
 
