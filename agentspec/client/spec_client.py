@@ -210,9 +210,8 @@ class SpecClient:
         """The verifier of ``run``, with a session open on it (opened now when there is none)."""
         t = self.transports[run.verifier]
         if run.sid is None:
-            # the server prefills the prompt meanwhile: the drafter prefills the one it expects (edge, auto)
+            # the server prefills the prompt meanwhile: a drafter that catches up prefills the one it expects
             opening = Call(t.post, t.apost, ("/v1/spec/sessions", run.open_request()))
-            # (rendered only when the drafter will use it: the open is on the critical path)
             prefix = self._edge.expected_prompt(run) if self._edge.catches_up(run, opening=True) else []
             reply = yield from self._edge.in_flight(run, opening, prefix, wait_s=self.policy.network_s(),
                                                     opening=True)
