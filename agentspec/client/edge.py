@@ -40,9 +40,12 @@ class EdgeDrafting:
     """A client's edge drafting: γ's ceiling, pipelining (None: while drafting takes at least
     :data:`PIPELINE_MIN_DRAFT_S`), previews, and the generator sampled drafts draw from."""
 
-    def __init__(self, num_draft_tokens: int, pipeline: bool | None, tokenizer: Any, preview: bool) -> None:
+    def __init__(self, num_draft_tokens: int, pipeline: bool | None, tokenizer: Any, preview: bool,
+                 observe_catchup: Callable[[int, float], None] | None = None) -> None:
+        """``observe_catchup(tokens, seconds)``: told each catch-up chunk prefilled while a request is in
+        flight (the router's catch-up rate, :meth:`~agentspec.router.ModePolicy.observe_catchup`)."""
         self.num_draft_tokens, self.pipeline = num_draft_tokens, pipeline
-        self.tokenizer, self.preview = tokenizer, preview
+        self.tokenizer, self.preview, self.observe_catchup = tokenizer, preview, observe_catchup
         self.round_draft_s: float | None = None  # EMA of one proposal's drafting seconds (fresh or ahead)
         # a server round's seconds and tokens in the last server segment: how long a catch-up chunk may take
         self.round_s: float | None = None
@@ -161,8 +164,11 @@ class EdgeDrafting:
             n = left if left < n + CATCHUP_MIN else n  # no tail too short to prefill on its own
             c0 = time.perf_counter()
             catch_up(drafter, tokens[: upto + n + 1])  # prefills all but the last token it is given
+            took = time.perf_counter() - c0
             if n & (n - 1) == 0:  # the sizes chosen below (a tail's odd size is not one)
-                self.chunk_s[n] = ema(self.chunk_s.get(n), time.perf_counter() - c0, 0.3)
+                self.chunk_s[n] = ema(self.chunk_s.get(n), took, 0.3)
+            if self.observe_catchup is not None:  # the router's rate, also where no catch-up is on a path
+                self.observe_catchup(n, took)
             upto += n
         return time.perf_counter() - t0
 

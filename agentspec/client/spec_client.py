@@ -105,7 +105,7 @@ class SpecClient:
                                 shadowed=policy.config.shadowed | set(self._shadows), has_verifier=bool(urls),
                                 has_deployment=deployment is not None)
         self.policy = policy
-        self._edge = EdgeDrafting(num_draft_tokens, pipeline, tokenizer, preview)
+        self._edge = EdgeDrafting(num_draft_tokens, pipeline, tokenizer, preview, policy.observe_catchup)
         self._pools = Pools()  # sync pipelining's POST thread, async drafting's thread
 
     def stream(self, messages: list[dict], tools: list[dict] | None = None, *, max_tokens: int = 256,

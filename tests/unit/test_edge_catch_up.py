@@ -119,7 +119,8 @@ def test_the_drafter_prefills_the_prompt_it_expects_while_the_session_opens(targ
 
     messages = [{"role": "user", "content": "what is the weather in Lisbon and in Oslo today?"}]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    edge = EdgeDrafting(4, None, target.tokenizer, preview=False)
+    told: list[tuple[int, float]] = []
+    edge = EdgeDrafting(4, None, target.tokenizer, preview=False, observe_catchup=lambda n, s: told.append((n, s)))
     edge.last_prompt = [5, 6, 7]
     runs = {mode: Run(messages, tools, 16, SamplingParams(), (), mode, ModelDrafter(target))
             for mode in ("edge", "auto", "server")}
@@ -146,6 +147,8 @@ def test_the_drafter_prefills_the_prompt_it_expects_while_the_session_opens(targ
     assert isinstance(item, WhileDrafting) and item.until_reply
     spent = item.draft.fn(*item.draft.args, lambda: False)  # a slow server: the whole prompt is prefilled
     assert spent > 0 and drafter.catchup_tokens(expected) == 0
+    # each chunk teaches the router the prefill's rate: all but the last token, as the drafter feeds it later
+    assert sum(n for n, _ in told) == len(expected) - 1 and all(s > 0 for _, s in told)
     with pytest.raises(StopIteration) as done:
         steps.send(("reply", spent))
     assert done.value.value == "reply"
