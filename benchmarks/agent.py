@@ -112,7 +112,14 @@ def run_task(model: ChatAgentSpec, task: Task, max_steps: int, system_prompt: st
                      "catchup_s": round(sum(s["catchup_s"] for s in seg), 3),  # the 0.5B's prefills (edge)
                      # edge drafting on the critical path, and the rounds whose draft was made ahead (pipelined)
                      "draft_s": round(sum(s["draft_s"] for s in seg), 3),
-                     "pipelined": sum(s["pipelined"] for s in seg)})
+                     "pipelined": sum(s["pipelined"] for s in seg),
+                     # per segment: the mode, the kind it started in, tokens, rounds, drafted, wall / server / critical-path
+                     # drafting / catch-up seconds, whether a probe, and what the router predicted (ms/token)
+                     "segments": [[s["mode"], s["kind"], s["tokens"], s["rounds"], s["drafted"], round(s["wall_s"], 3),
+                                   round(s["server_s"], 3), round(s["draft_s"], 3), round(s["catchup_s"], 3),
+                                   s["probe"],
+                                   {m: round(v, 1) for m, v in s["predicted_ms_per_token"].items()}]
+                                  for s in seg]})
     return {"calls": rows, "model_s": sum(c.seconds for c in calls), "steps": len(calls),
             "transcript": json.dumps([transcript(messages), world.files, world.sent, world.conversions]),
             "correct": task.check(world, final_answer(messages)), "answer": final_answer(messages)[:400],
@@ -157,7 +164,7 @@ def run_rtt(srvs: dict[str, Verifier], rtt_ms: float, methods: tuple[str, ...], 
                 for m in methods}
         for m in methods:  # untimed: first requests, and the router's first look at each mode (auto tries
             for _ in range(3 if m == "auto" else 1):  # an untried mode first: one short call per mode)
-                chat[m].invoke(WARM, max_tokens=24)
+                warm_up(chat[m], args)
         runs: dict[str, dict[str, Any]] = {m: {} for m in methods}
         for i, task in enumerate(tasks):
             order = methods[i % len(methods):] + methods[: i % len(methods)]
@@ -168,6 +175,18 @@ def run_rtt(srvs: dict[str, Verifier], rtt_ms: float, methods: tuple[str, ...], 
                 f"{m}={runs[m][task.id]['model_s']:.1f}s"
                 f"{'' if runs[m][task.id]['transcript'] == ref['transcript'] else '(differs)'}" for m in methods))
     return runs
+
+
+def warm_up(model: ChatAgentSpec, args: Any) -> None:
+    """One short untimed call. With the agent's prefix (the default): its system prompt and the world's tools,
+    which the chat template renders ahead of the user's turn, so the verifier holds their KV as it does for a
+    deployed agent after its first request, and the first task does not alone pay that prefill for every
+    method (``--cold-agent-prefix``: the bare call every run before this option made)."""
+    if args.cold_agent_prefix:
+        model.invoke(WARM, max_tokens=24)
+        return
+    messages = ([("system", args.system_prompt)] if args.system_prompt else []) + [("human", WARM)]
+    model.bind_tools(World().tools()).invoke(messages, max_tokens=24)
 
 
 def summarise_rtt(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -217,7 +236,8 @@ def first_difference(a: str, b: str) -> int:
 def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tuple[str, ...], list[float]]:
     """The command line, checked before anything loads or pins: (args, tasks, methods, RTTs in ms)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tasks", type=int, default=len(TASKS))
+    ap.add_argument("--tasks", type=int, default=len(TASKS), help="run the first N tasks")
+    ap.add_argument("--only", default="", help="comma-separated task names to run instead (a diagnosis run)")
     ap.add_argument("--rtts", default="0,20,50,100", help="injected round-trip times in ms, comma-separated")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-steps", type=int, default=4, help="most model calls per task")
@@ -235,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
                     "reference)")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 lossless check")
     ap.add_argument("--no-completion", action="store_true", help="skip the 0.5B's own task runs (tasks_correct)")
+    ap.add_argument("--cold-agent-prefix", action="store_true",
+                    help="warm up without the agent's system prompt and tools: the first task pays their prefill")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/agent")
     args = ap.parse_args(argv)
@@ -252,6 +274,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
     if chosen - set(MODE):
         ap.error(f"--methods: unknown {sorted(chosen - set(MODE))}; choose from {', '.join(MODE)}")
     tasks = TASKS[: args.tasks]
+    if args.only:
+        names = {t.id for t in TASKS}
+        wanted = args.only.split(",")
+        if not set(wanted) <= names:
+            ap.error(f"--only: unknown tasks {sorted(set(wanted) - names)}; known: {sorted(names)}")
+        tasks = [t for t in TASKS if t.id in wanted]
+        args.tasks = len(tasks)
     methods = tuple(m for m in MODE if (m == "plain" or not chosen or m in chosen)
                     and (m not in USES or getattr(args, f"{USES[m]}_drafter") != "none"))
     if "auto" in methods and args.auto_drafter in MADE and getattr(args, f"{args.auto_drafter}_drafter") == "none":
@@ -412,6 +441,7 @@ def setup(args: Any, tasks: tuple[Task, ...], methods: tuple[str, ...]) -> dict[
             "dtype": "bfloat16 (fp32: the lossless check)",
             "tasks": {t.id: t.prompt for t in tasks}, "max_new_tokens": args.max_new_tokens,
             "max_steps": args.max_steps, "system_prompt": args.system_prompt, "num_draft_tokens": args.num_draft_tokens,
+            "warm_up": "a bare call" if args.cold_agent_prefix else "the agent's system prompt and tools, then a call",
             "segment_tokens": {"plain": args.max_new_tokens, "server, edge_0.5b, auto": args.segment_tokens},
             "server": "agentspec-verifier, taskset core 1, 1 thread, no draft model (server_small and "
                       "server_0.5b_int4: one with its draft model)",

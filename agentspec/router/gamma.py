@@ -44,18 +44,19 @@ class DraftLengthPolicy:
         prior = {n - 1: s for n, s in seconds_by_pass_len.items() if n >= 1}
         return cls(costs=CostCurve(prior=prior), **kwargs)  # type: ignore[arg-type]
 
-    def choose(self, gamma_max: int, kind: str = "text", drafted: int = 0) -> int:
+    def choose(self, gamma_max: int, kind: str = "text", drafted: int = 0, at_least: int = 0) -> int:
         """γ for the next round, in ``[0, gamma_max]``; ``kind``: the content kind the round drafts;
         ``drafted``: tokens of its draft already made (while the round before was in flight), which cost only
         verification. Charging that sunk drafting would turn a pipelined drafter off for good: at γ = 0
-        nothing is drafted ahead, so its hidden cost is never seen."""
+        nothing is drafted ahead, so its hidden cost is never seen. ``at_least``: the smallest γ to weigh
+        (1 while the mode policy probes edge mode: a probe at γ = 0 would measure plain steps, not drafting)."""
         if gamma_max <= 0:
             return 0
         if self.costs.seconds(0) is None:
             return gamma_max  # nothing measured yet: draft fully, observe, then adapt
         self.last_rates = {}
         acceptance = self.current_acceptance(kind)
-        for gamma in range(gamma_max + 1):
+        for gamma in range(min(at_least, gamma_max), gamma_max + 1):
             t = max(gamma - drafted, 0) * self.draft_seconds_per_token + (self.costs.seconds(gamma) or 0.0)
             self.last_rates[gamma] = acceptance.expected_tokens(gamma) / t if t > 0 else 0.0
         best = max(self.last_rates, key=lambda g: (self.last_rates[g], -g))

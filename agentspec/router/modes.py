@@ -34,6 +34,7 @@ class ModeConfig:
     busy_penalty: float = 1.25
     ema: float = 0.3
     correction_ema: float = 0.15  # slower: one segment's wall time scatters by 10-20 % on a busy CPU
+    round_memory: int = 12  # rounds an (E[A], γ̄) estimate mostly rests on: a kind's text changes within a call
     gamma_max: int = 4
     segment_tokens: int = 16
     shadowed: frozenset[str] = frozenset()
@@ -48,6 +49,7 @@ class ModeConfig:
                   "busy_penalty must be >= 1": self.busy_penalty >= 1.0,
                   "ema must be in (0, 1]": 0.0 < self.ema <= 1.0,
                   "correction_ema must be in (0, 1]": 0.0 < self.correction_ema <= 1.0,
+                  "round_memory must be >= 1": self.round_memory >= 1,
                   "gamma_max must be >= 0": self.gamma_max >= 0,
                   "segment_tokens must be >= 1": self.segment_tokens >= 1,
                   f"shadowed modes must be among {SHADOWABLE}": self.shadowed <= set(SHADOWABLE)}
@@ -65,13 +67,17 @@ class ModePolicy:
     and session opens (they keep it current while no edge round runs); ``E[A]`` and ``γ̄`` per mode, and
     per content kind (``"tool"``/``"text"``), from **shadow replays** (:meth:`observe_replays`), so every
     mode is judged on the *same* text (segment costs are dominated by how predictable the text is), or
-    from the mode's own rounds when not in ``config.shadowed``. A per-mode correction (EMA of measured /
-    closed-form seconds per segment it ran) absorbs what the closed forms leave out.
+    from the mode's own rounds when not in ``config.shadowed``: each round under the kind it drafted in
+    (a segment that opens a tool call starts in text), as ratios of sums decayed over
+    ``config.round_memory`` rounds, so an answer's prose is not judged on the call before it. A
+    correction per mode and kind (EMA of measured / closed-form seconds per segment it ran) absorbs what
+    the closed forms leave out (edge rounds inside a tool call carry a grammar-cut tree; in prose a chain).
 
     Until a mode's inputs exist its measured seconds per token stands in; a mode never run is tried first.
     Modes judged without running them (shadowed, or server-ar) are never probed; the others every
-    ``probe_every`` segments, backing off (doubling, up to ``max_probe_every``) while probes lose by more
-    than ``probe_margin``; a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger
+    ``probe_every`` segments, backing off (doubling, up to ``max_probe_every``) per content kind while
+    probes in it lose by more than ``probe_margin`` to what the incumbent measured in that kind (its
+    prediction until it has); a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger
     ``hysteresis`` cheaper. A saturated server makes server-side drafting cost ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
     """
 
@@ -83,13 +89,16 @@ class ModePolicy:
     current: str | None = None
     segments: int = 0
     server_waiting: int = 0
-    probe_interval: dict[str, int] = field(default_factory=dict)  # per mode; backs off while probes lose
+    probe_interval: dict[tuple[str, str], int] = field(default_factory=dict)  # (mode, kind); backs off on losses
     probing: str | None = None  # the mode of the segment in flight, when it is a probe
     last_probe: int = 0
     server_costs: LinearCost = field(default_factory=LinearCost)  # server-reported t_v(γ), fitted
     per_round: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (E[A], γ̄), EMA
     per_round_kind: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)  # (mode, kind) -> ...
     correction: dict[str, float] = field(default_factory=dict)  # mode -> measured / predicted, EMA
+    correction_kind: dict[tuple[str, str], float] = field(default_factory=dict)  # (mode, kind) -> the same
+    measured_kind: dict[tuple[str, str], float] = field(default_factory=dict)  # (mode, kind) -> s/token, EMA
+    round_sums: dict[tuple[str, str | None], tuple[float, float, float]] = field(default_factory=dict)
     rtt: float | None = None  # wall − server compute − local drafting, per edge round (EMA)
     rtt_open: float | None = None  # the same per session open (EMA)
     _rtt_open_at_edge: float | None = None
@@ -123,7 +132,7 @@ class ModePolicy:
             predicted["edge"] += catchup_tokens * (self.t_catchup or 0.0) / c.segment_tokens
         self.last_predictions = {m: s * 1e3 for m, s in predicted.items()}
         due = [m for m in modes if m != self.current and self._needs_probes(m, kind)
-               and self.segments - self.last_used.get(m, 0) >= self._probe_after(m, catchup_tokens)]
+               and self.segments - self.last_used.get(m, 0) >= self._probe_after(m, kind, catchup_tokens)]
         if self.segments - self.last_probe < c.probe_every:
             due = []  # at most one probe every probe_every segments, whatever the number of modes
         self.probing = None
@@ -140,11 +149,11 @@ class ModePolicy:
         self.last_used[pick] = self.segments
         return pick
 
-    def _probe_after(self, mode: str, catchup_tokens: int) -> int:
+    def _probe_after(self, mode: str, kind: str, catchup_tokens: int) -> int:
         """Segments since ``mode`` last ran before it is probed again. An edge probe waits up to one more
         interval for its drafter to have caught up (the client prefills it while server-side segments
         stream): a probe that starts with a prefill pays for it on top of the rounds it came to measure."""
-        interval = self.probe_interval.get(mode, self.config.probe_every)
+        interval = self.probe_interval.get((mode, kind), self.config.probe_every)
         return 2 * interval if mode == "edge" and catchup_tokens else interval
 
     def predicted(self, mode: str, kind: str = "text") -> float:
@@ -153,7 +162,7 @@ class ModePolicy:
         if cost is None:
             cost = self.seconds_per_token.get(mode, 0.0)
         else:
-            cost *= self.correction.get(mode, 1.0)
+            cost *= self.correction_kind.get((mode, kind), self.correction.get(mode, 1.0))
         if mode == "server" and self.server_waiting > 0:
             cost *= self.config.busy_penalty
         return cost
@@ -192,8 +201,12 @@ class ModePolicy:
 
     def gamma(self, mode: str, gamma_max: int, kind: str = "text", drafted: int = 0) -> int:
         """Draft length for the next edge round (``kind``: the content kind it drafts; ``drafted``: tokens of
-        its draft made ahead, see :meth:`DraftLengthPolicy.choose`)."""
-        return self.edge.choose(gamma_max, kind, drafted) if mode == "edge" else gamma_max
+        its draft made ahead, see :meth:`DraftLengthPolicy.choose`). An edge probe drafts: where the draft
+        length policy turned drafting off (from a few rounds, say a warm-up's), a probe at γ = 0 would only
+        measure plain steps through edge mode, and edge would never be seen to pay."""
+        if mode != "edge":
+            return gamma_max
+        return self.edge.choose(gamma_max, kind, drafted, at_least=1 if self.probing == "edge" else 0)
 
     def observe_catchup(self, tokens: int, seconds: float) -> None:
         """A catch-up prefill of the local model drafter: ``tokens`` fed at once in ``seconds``."""
@@ -215,11 +228,23 @@ class ModePolicy:
             self.server_costs.observe(drafted, verify_s)
         if mode == "server" and drafted and server_s > verify_s:
             self.t_ds = ema(self.t_ds, (server_s - verify_s) / drafted, self.config.ema)
+        if mode in ("edge", "server") and mode not in self.config.shadowed:
+            self._observe_round_counts(mode, kind, emitted, drafted)
         if mode == "edge":
             self.rtt = ema(self.rtt, max(wall_s - server_s, 0.0), self.config.ema)
             self._rtt_open_at_edge = self.rtt_open
             reached = min(drafted, accepted + 1)
             self.edge.observe(drafted, reached, accepted, max(wall_s, 1e-6), draft_s, kind=kind)
+
+    def _observe_round_counts(self, mode: str, kind: str, tokens: int, drafted: int) -> None:
+        """(E[A], γ̄) of ``mode``, in all and in ``kind``: decayed sums of tokens, drafts and rounds (a ratio
+        of sums, not a mean of per-round ratios: rounds of 1 and of 8 tokens average to 4.5 tokens a round)."""
+        keep = 1.0 - 1.0 / self.config.round_memory
+        for key, table, at in (((mode, None), self.per_round, mode), ((mode, kind), self.per_round_kind, (mode, kind))):
+            n, d, r = self.round_sums.get(key, (0.0, 0.0, 0.0))
+            n, d, r = keep * n + tokens, keep * d + drafted, keep * r + 1.0
+            self.round_sums[key] = (n, d, r)
+            table[at] = (n / r, d / r)
 
     def observe_replays(self, replays: Mapping[str, ChainReplay], kind: str | None = None) -> None:
         """Shadow replays over a segment's committed tokens (mode → replayed rounds), for modes in
@@ -250,21 +275,25 @@ class ModePolicy:
         c = self.config
         if tokens and catchup_s > 0:
             seconds_per_token = max(seconds_per_token * tokens - catchup_s, 0.0) / tokens
+        k = kind or "text"
         if mode == self.probing and self.current is not None and self.current != mode:
-            incumbent = self.predicted(self.current, kind or "text")
-            interval = self.probe_interval.get(mode, c.probe_every)
+            # against what the incumbent measured here: its prediction may rest on another kind's text
+            incumbent = self.measured_kind.get((self.current, k)) or self.predicted(self.current, k)
+            interval = self.probe_interval.get((mode, k), c.probe_every)
             worse = seconds_per_token > (1 + c.probe_margin) * incumbent
-            self.probe_interval[mode] = min(2 * interval, c.max_probe_every) if worse else c.probe_every
+            self.probe_interval[(mode, k)] = min(2 * interval, c.max_probe_every) if worse else c.probe_every
         self.probing = None
         self.seconds_per_token[mode] = ema(self.seconds_per_token.get(mode), seconds_per_token, c.ema)
+        self.measured_kind[(mode, k)] = ema(self.measured_kind.get((mode, k)), seconds_per_token, c.ema)
         if not (tokens and rounds) or self.network_s() is None or mode not in self.modes:
             return
-        if mode not in c.shadowed and mode != "server-ar":
-            self._per_round(mode, tokens / rounds, drafted / rounds, kind)
+        if mode not in c.shadowed and mode != "server-ar" and (mode, None) not in self.round_sums:
+            self._per_round(mode, tokens / rounds, drafted / rounds, kind)  # no round of it was reported
         predicted = self._segment_closed_form(mode, tokens, rounds, drafted, draft_s)
         if predicted is not None and predicted > 0:
             ratio = min(max(seconds_per_token * tokens / predicted, 0.5), 3.0)
             self.correction[mode] = ema(self.correction.get(mode), ratio, c.correction_ema)
+            self.correction_kind[(mode, k)] = ema(self.correction_kind.get((mode, k)), ratio, c.correction_ema)
 
     def _segment_closed_form(self, mode: str, tokens: int, rounds: int, drafted: int, draft_s: float
                              ) -> float | None:

@@ -382,4 +382,4 @@ def test_mode_policy_probes_back_off_while_they_lose():
         policy.observe_segment(mode, costs[mode])
         if mode == "server-ar" and i > last:
             break
-    assert policy.probe_interval["server-ar"] == policy.config.probe_every
+    assert policy.probe_interval[("server-ar", "text")] == policy.config.probe_every

@@ -249,12 +249,12 @@ def test_a_probe_is_judged_without_the_catch_up_it_paid():
     rounds_s = 8 * policy.predicted("edge")
     policy.observe_segment("edge", (rounds_s + 1.2) / 8, tokens=8, rounds=3, drafted=12, draft_s=0.024,
                            catchup_s=1.2)
-    assert policy.probe_interval["edge"] == policy.config.probe_every
+    assert policy.probe_interval[("edge", "text")] == policy.config.probe_every
     assert policy.seconds_per_token["edge"] < 0.05
     assert policy.correction["edge"] < 1.1
     policy.current, policy.probing = "server", "edge"
     policy.observe_segment("edge", (rounds_s + 1.2) / 8, tokens=8, rounds=3, drafted=12, draft_s=0.024)
-    assert policy.probe_interval["edge"] == 2 * policy.config.probe_every  # the same time, uncounted: lost
+    assert policy.probe_interval[("edge", "text")] == 2 * policy.config.probe_every  # the same time, uncounted: lost
 
 
 def test_an_edge_probe_waits_for_its_drafter_to_catch_up_but_not_forever():
@@ -302,3 +302,111 @@ def test_adaptive_engine_learns_to_draft_fully_for_a_free_perfect_drafter(target
     assert result.stats.alpha == 1.0
     late = [r.drafted for r in result.stats.rounds[:-1]]  # the last round is cut by max_new_tokens
     assert late and all(g == 4 for g in late), late
+
+
+def _t_v(drafted: float) -> float:
+    return 0.40 + 0.01 * drafted  # a 1.5B-like verify pass on one core: nearly flat in the tokens it carries
+
+
+def _rounds(policy: router.ModePolicy, mode: str, rounds: list[tuple[str, int, int, float]],
+            seg_kind: str) -> None:
+    """A segment as the client reports it: each round's reply under the kind it drafted in (``(kind, tokens,
+    drafted, between_s)``: client work between the replies, outside every request's wall time, as building and
+    masking a grammar-cut tree), then the segment under the kind it started in. The link costs 20 ms a round."""
+    wall = drafted_sum = 0.0
+    for kind, tokens, drafted, between in rounds:
+        verify = _t_v(drafted)
+        server = verify + (0.001 * drafted if mode == "server" else 0.0)
+        policy.observe_round(mode, drafted, max(tokens - 1, 0), tokens, wall_s=server + 0.02, server_s=server,
+                             verify_s=verify, draft_s=0.0, kind=kind)
+        wall, drafted_sum = wall + server + 0.02 + between, drafted_sum + drafted
+    tokens = sum(r[1] for r in rounds)
+    policy.observe_segment(mode, wall / tokens, tokens=tokens, rounds=len(rounds), drafted=int(drafted_sum),
+                           kind=seg_kind)
+
+
+def _agent_policy() -> router.ModePolicy:
+    policy = router.ModePolicy(router.ModeConfig(segment_tokens=32))
+    policy.observe_open(0.02, 0.0)
+    return policy
+
+
+def test_mode_policy_judges_each_round_under_the_kind_it_drafted_in():
+    """A tool call opens in text (its fence) and copies well; the prose answer after it does not. Server
+    mode's prose estimate is its prose rounds' (one token each), not the call's, from the first prose
+    segment on; its estimate over all kinds follows the recent rounds (a ratio of decayed sums)."""
+    policy = _agent_policy()
+    _rounds(policy, "server", [("text", 1, 2, 0.0)] + [("tool", 4, 6, 0.0)] * 8, seg_kind="text")
+    assert policy.per_round_kind[("server", "tool")] == pytest.approx((4.0, 6.0))
+    _rounds(policy, "server", [("text", 1, 2, 0.0)] * 30, seg_kind="text")
+    assert policy.per_round_kind[("server", "text")] == pytest.approx((1.0, 2.0))
+    assert policy.per_round["server"][0] < 1.2  # 30 rounds on: the call's rounds weigh little
+    t_ds = policy.t_ds
+    assert policy.closed_form("server", kind="text") == pytest.approx(2 * t_ds + _t_v(2) + 0.02 / 32, rel=1e-3)
+    assert policy.closed_form("server", kind="tool") == pytest.approx((6 * t_ds + _t_v(6)) / 4 + 0.02 / 32,
+                                                                      rel=1e-3)
+    with pytest.raises(ValueError, match="round_memory"):
+        router.ModeConfig(round_memory=0)
+
+
+def test_mode_policy_corrects_each_content_kind_apart():
+    """Edge rounds inside a tool call take twice their closed form (client work on a grammar-cut tree between
+    the replies), in prose their closed form: the prose prediction is not inflated by the calls."""
+    policy = _agent_policy()
+    for _ in range(3):
+        _rounds(policy, "edge", [("tool", 5, 8, _t_v(8) + 0.02)] * 6, seg_kind="tool")
+    _rounds(policy, "edge", [("text", 3, 4, 0.0)] * 10, seg_kind="text")
+    assert policy.correction_kind[("edge", "tool")] == pytest.approx(2.0, rel=0.01)
+    assert policy.correction_kind[("edge", "text")] == pytest.approx(1.0, rel=0.01)
+    assert policy.predicted("edge", "text") == pytest.approx((_t_v(4) + 0.02) / 3, rel=0.01)
+    assert policy.predicted("edge", "tool") == pytest.approx(2 * (_t_v(8) + 0.02) / 5, rel=0.01)
+
+
+def test_a_probe_is_judged_against_what_the_incumbent_measured_in_its_kind():
+    """Server mode predicted cheap prose from a tool call (its correction, say) but ran it at one token a
+    pass: an edge probe in prose 15 % cheaper than that measurement is not lost, though 50 % dearer than
+    the prediction; a probe lost inside a tool call backs off tool-call probes only."""
+    policy = _agent_policy()
+    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 8, seg_kind="tool")
+    _rounds(policy, "server", [("text", 1, 2, 0.0)] * 30, seg_kind="text")
+    measured = policy.measured_kind[("server", "text")]
+    policy.correction_kind[("server", "text")] = 0.5  # a prediction that has not caught up
+    policy.current, policy.probing = "server", "edge"
+    policy.observe_segment("edge", 0.85 * measured, tokens=8, rounds=3, drafted=12, kind="text")
+    assert policy.probe_interval[("edge", "text")] == policy.config.probe_every
+    policy.current, policy.probing = "server", "edge"
+    policy.observe_segment("edge", 3 * policy.measured_kind[("server", "tool")], tokens=8, rounds=2, drafted=16,
+                           kind="tool")
+    assert policy.probe_interval[("edge", "tool")] == 2 * policy.config.probe_every
+    assert policy.probe_interval[("edge", "text")] == policy.config.probe_every
+
+
+def test_mode_policy_runs_server_in_tool_calls_and_edge_in_prose():
+    """The agent benchmark's shape: server mode copies tool calls at 4 tokens a pass where edge pays a costly
+    tree round for 5; in prose the edge drafter gets 3 tokens a round where the server gets 1. Once each mode
+    has run in each kind, auto picks server inside calls and edge in prose (and keeps it there)."""
+    policy = _agent_policy()
+    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 8, seg_kind="tool")
+    _rounds(policy, "server", [("text", 1, 2, 0.0)] * 30, seg_kind="text")
+    _rounds(policy, "server-ar", [("text", 1, 0, 0.0)] * 8, seg_kind="text")
+    _rounds(policy, "edge", [("tool", 5, 8, 2 * _t_v(8))] * 6, seg_kind="tool")
+    _rounds(policy, "edge", [("text", 3, 4, 0.05)] * 10, seg_kind="text")
+    policy.current = "server"
+    assert [policy.choose(kind="text") for _ in range(3)] == ["edge"] * 3
+    assert policy.choose(kind="tool") == "server"
+
+
+def test_an_edge_probe_drafts_where_the_draft_length_policy_turned_drafting_off():
+    """A warm-up's few rejected drafts turn edge drafting off (γ = 0 is the best rate); an edge probe at γ = 0
+    would measure plain steps through edge mode, so while the mode policy probes edge it drafts at least one
+    token (the best γ ≥ 1), and outside a probe the draft length policy's choice stands."""
+    policy = _agent_policy()
+    for _ in range(8):
+        policy.edge.observe(drafted=4, reached=1, accepted=0, verify_s=_t_v(4), draft_s=0.2, kind="text")
+        policy.edge.observe(drafted=0, reached=0, accepted=0, verify_s=_t_v(0), kind="text")
+    assert policy.gamma("edge", 8, kind="text") == 0
+    policy.probing = "edge"
+    assert 1 <= policy.gamma("edge", 8, kind="text") <= 8
+    assert policy.edge.choose(8, kind="text", at_least=20) == 8  # never above gamma_max
+    policy.probing = "server"
+    assert policy.gamma("edge", 8, kind="text") == 0
