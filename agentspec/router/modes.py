@@ -75,7 +75,8 @@ class ModePolicy:
 
     Until a mode's inputs exist its measured seconds per token stands in; a mode never run is tried first.
     Modes judged without running them (shadowed, or server-ar) are never probed; the others every
-    ``probe_every`` segments, backing off (doubling, up to ``max_probe_every``) per content kind while
+    ``probe_every`` segments since they last ran in the segment's content kind (a mode run only in tool calls
+    since a warm-up is due in prose), backing off (doubling, up to ``max_probe_every``) per kind while
     probes in it lose by more than ``probe_margin`` to what the incumbent measured in that kind (its
     prediction until it has); a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger
     ``hysteresis`` cheaper. A saturated server makes server-side drafting cost ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
@@ -83,7 +84,7 @@ class ModePolicy:
 
     config: ModeConfig = field(default_factory=ModeConfig)
     seconds_per_token: dict[str, float] = field(default_factory=dict)
-    last_used: dict[str, int] = field(default_factory=dict)
+    last_used: dict[tuple[str, str], int] = field(default_factory=dict)  # (mode, kind) -> the segment it last ran
     last_predictions: dict[str, float] = field(default_factory=dict)
     edge: DraftLengthPolicy = field(default_factory=lambda: DraftLengthPolicy(probe_every=8))
     current: str | None = None
@@ -132,21 +133,21 @@ class ModePolicy:
             predicted["edge"] += catchup_tokens * (self.t_catchup or 0.0) / c.segment_tokens
         self.last_predictions = {m: s * 1e3 for m, s in predicted.items()}
         due = [m for m in modes if m != self.current and self._needs_probes(m, kind)
-               and self.segments - self.last_used.get(m, 0) >= self._probe_after(m, kind, catchup_tokens)]
+               and self.segments - self.last_used.get((m, kind), 0) >= self._probe_after(m, kind, catchup_tokens)]
         if self.segments - self.last_probe < c.probe_every:
             due = []  # at most one probe every probe_every segments, whatever the number of modes
         self.probing = None
         if untried:
             pick = untried[0]
         elif due and self.current is not None:
-            pick = self.probing = min(due, key=lambda m: self.last_used.get(m, -1))
+            pick = self.probing = min(due, key=lambda m: self.last_used.get((m, kind), -1))
             self.last_probe = self.segments
         else:
             pick = min(modes, key=predicted.__getitem__)
             if self.current in predicted and predicted[pick] > (1 - c.hysteresis) * predicted[self.current]:
                 pick = self.current
             self.current = pick
-        self.last_used[pick] = self.segments
+        self.last_used[(pick, kind)] = self.segments
         return pick
 
     def _probe_after(self, mode: str, kind: str, catchup_tokens: int) -> int:

@@ -267,7 +267,7 @@ def test_an_edge_probe_waits_for_its_drafter_to_catch_up_but_not_forever():
 
     def probes(catchup_tokens: int, segments: int) -> list[int]:
         policy.current, policy.segments, policy.last_probe = "server", 0, 0
-        policy.last_used = {"server": 0, "edge": 0}
+        policy.last_used = {("server", "text"): 0, ("edge", "text"): 0}
         return [i for i in range(1, segments + 1)
                 if policy.choose(catchup_tokens=catchup_tokens) == "edge" and policy.probing == "edge"]
 
@@ -410,3 +410,19 @@ def test_an_edge_probe_drafts_where_the_draft_length_policy_turned_drafting_off(
     assert policy.edge.choose(8, kind="text", at_least=20) == 8  # never above gamma_max
     policy.probing = "server"
     assert policy.gamma("edge", 8, kind="text") == 0
+
+
+def test_a_mode_run_only_in_tool_calls_is_still_probed_in_prose():
+    """Edge's prose estimate is stale (a warm-up's cold segment); it keeps running in tool calls, where it wins.
+    Its prose probes fall due by when it last ran in prose, not by when it last ran at all."""
+    policy = _agent_policy()
+    policy.current = "server"
+    policy.seconds_per_token.update({m: 0.3 for m in policy.modes})
+    policy.predicted = lambda mode, kind="text": {"edge": 0.1 if kind == "tool" else 0.9}.get(mode, 0.4)
+    picks = []
+    for i in range(40):  # calls of two tool-call segments, then answers of three prose ones
+        kind = "tool" if i % 5 < 2 else "text"
+        picks.append((kind, policy.choose(kind=kind), policy.probing))
+    assert all(mode == "edge" for kind, mode, probing in picks if kind == "tool" and probing is None)
+    probes = [i for i, (kind, mode, probing) in enumerate(picks, 1) if kind == "text" and probing == "edge"]
+    assert probes and probes[0] <= 3 * policy.config.probe_every, picks  # other modes share the probe slots
