@@ -65,7 +65,7 @@ def _accept_when_ready(listener: CappedListener) -> tuple[socket.socket, object]
 # An asyncio server (the verifier's event loop, without a model) whose protocol holds every connection it is
 # given, under an open-file limit of 64 with a cap of 32: 300 idle connections, then a new client.
 _SERVER = textwrap.dedent("""
-    import asyncio, resource, socket, sys
+    import asyncio, resource, socket, sys, threading
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     from agentspec.verifier_server.http import CappedListener
 
@@ -78,7 +78,12 @@ _SERVER = textwrap.dedent("""
         listener = CappedListener(sock, cap=32) if sys.argv[1] == "capped" else sock
         server = await asyncio.get_running_loop().create_server(Hold, sock=listener, backlog=64)
         print(listener.getsockname()[1], flush=True)
-        await asyncio.sleep(float(sys.argv[2]))
+        loop, done = asyncio.get_running_loop(), asyncio.Event()
+        threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(done.set)), daemon=True).start()
+        try:  # until the test closes stdin: a fixed lifetime ran out on a loaded machine before 300 connects
+            await asyncio.wait_for(done.wait(), float(sys.argv[2]))
+        except TimeoutError:
+            pass
         server.close()
     asyncio.run(main())
 """)
@@ -86,8 +91,8 @@ _SERVER = textwrap.dedent("""
 
 @pytest.mark.skipif(sys.platform != "linux", reason="open-file limits and asyncio's accept loop as on Linux")
 def test_a_flood_never_exhausts_the_descriptors_of_a_capped_server():
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER, "capped", "4"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, "capped", "60"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     held: list[socket.socket] = []
     try:
         port = int(proc.stdout.readline())
