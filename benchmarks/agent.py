@@ -279,7 +279,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
         wanted = args.only.split(",")
         if not set(wanted) <= names:
             ap.error(f"--only: unknown tasks {sorted(set(wanted) - names)}; known: {sorted(names)}")
-        tasks = [t for t in TASKS if t.id in wanted]
+        tasks = tuple(t for t in TASKS if t.id in wanted)
         args.tasks = len(tasks)
     methods = tuple(m for m in MODE if (m == "plain" or not chosen or m in chosen)
                     and (m not in USES or getattr(args, f"{USES[m]}_drafter") != "none"))

@@ -94,11 +94,13 @@ class ModePolicy:
     probing: str | None = None  # the mode of the segment in flight, when it is a probe
     last_probe: int = 0
     server_costs: LinearCost = field(default_factory=LinearCost)  # server-reported t_v(γ), fitted
-    per_round: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (E[A], γ̄), EMA
+    # mode -> (E[A], γ̄): from round_sums for the modes whose rounds are reported, else an EMA per segment/replay
+    per_round: dict[str, tuple[float, float]] = field(default_factory=dict)
     per_round_kind: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)  # (mode, kind) -> ...
     correction: dict[str, float] = field(default_factory=dict)  # mode -> measured / predicted, EMA
     correction_kind: dict[tuple[str, str], float] = field(default_factory=dict)  # (mode, kind) -> the same
     measured_kind: dict[tuple[str, str], float] = field(default_factory=dict)  # (mode, kind) -> s/token, EMA
+    # (mode, kind or None for all kinds) -> decayed sums of (tokens, drafted, rounds) of its reported rounds
     round_sums: dict[tuple[str, str | None], tuple[float, float, float]] = field(default_factory=dict)
     rtt: float | None = None  # wall − server compute − local drafting, per edge round (EMA)
     rtt_open: float | None = None  # the same per session open (EMA)
