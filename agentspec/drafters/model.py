@@ -93,6 +93,7 @@ class ModelDrafter:
             self._cached.extend(feed)
             if catchup:  # the first forward: its one drafted token's share is noise next to the prefill
                 catchup = False
+                models.synchronize(logits.device)
                 self._catchup = (self._catchup[0] + len(feed), self._catchup[1] + time.perf_counter() - t0)
             masked = None
             if ctx.constraint is not None:  # a constrained answer: draft from the grammar-masked law

@@ -23,7 +23,7 @@ from agentspec.models.loading import LoadedModel
 
 __all__ = ["cache_length", "cache_nbytes", "check_divergence", "copy_cache_prefix", "crop_cache", "forward",
            "forward_batch", "keep_cache_positions", "logit_path_noise", "logits_at", "measure_verify_cost",
-           "new_cache"]
+           "new_cache", "synchronize"]
 
 
 def new_cache(model: Any) -> Any:
@@ -94,6 +94,15 @@ def forward(model: Any, input_ids: list[int], cache: Any, num_logits: int,
     return out.logits[0]  # [num_logits, vocab]
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the kernels queued on ``device``: CUDA and MPS run asynchronously, so a clock read after a
+    forward would otherwise time its launch, not its work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def measure_verify_cost(model: Any, prompt_ids: Sequence[int], max_tokens: int, reps: int) -> dict[int, float]:
     """Median seconds of one forward over ``k`` new tokens (k = 1 … max_tokens) on a cached prompt.
 
@@ -111,6 +120,7 @@ def measure_verify_cost(model: Any, prompt_ids: Sequence[int], max_tokens: int, 
         for k in samples:
             t0 = time.perf_counter()
             forward(model, filler[:k], cache, k)
+            synchronize(model.device)
             seconds = time.perf_counter() - t0
             crop_cache(cache, base)
             if rep:

@@ -196,6 +196,7 @@ class VerifierEngine:
         end = min(session.num_cached + max(1, self.config.prefill_chunk_tokens), len(ids) - 1)
         try:
             models.forward(self.target.model, ids[session.num_cached : end], session.cache, 1)
+            models.synchronize(self.target.device)  # the chunk's time paces yielding (not its launch)
         except BaseException:
             models.crop_cache(session.cache, session.num_cached)
             raise
