@@ -205,6 +205,8 @@ def _line(line: str, status: int) -> dict[str, Any] | None:
 def _error_from(data: dict[str, Any], status: int) -> VerifierError:
     err = data.get("error") if isinstance(data, dict) else None
     err = err if isinstance(err, dict) else {}
+    if status < 400 and err.get("type") == "server_error":
+        status = 500  # a stream's error line (after its HTTP 200): the server failed, as a 5xx would say
     message = err.get("message") or f"verifier answered HTTP {status}"
     code = err.get("code")
     kind = VerifierUnavailable if status >= 500 or status == 429 else VerifierError

@@ -3,7 +3,8 @@
 With no verifier left (or ``mode="api"``), the request continues on ``fallback_model`` through litellm,
 streamed, with every argument of the request (sampling, limits, stop strings, tools, ``tool_choice``,
 ``response_format``) and the client's ``api_kwargs`` (``api_base``, ``api_key``, ...). Text already
-committed by a verifier is sent as a partial assistant answer. The provider's chunks become the events the
+committed by a verifier is sent as a partial assistant answer, all of it (also what stop strings or the
+tool-call parser still hold back), and none when nothing was. The provider's chunks become the events the
 speculative path emits (text as it arrives, each tool call once, complete); its usage and model name are
 recorded on the :class:`Run`. litellm is imported lazily, here only (``import agentspec`` never loads it).
 """
@@ -47,8 +48,8 @@ def api_request(run: Run, model: str, timeout: float, extra: dict[str, Any], sam
     it can override a computed value (e.g. ``temperature`` for a provider that rejects 0). ``same_vocab``:
     ``model`` is the target itself (a deployment of it), so ``logit_bias``'s token ids mean the same."""
     messages = list(run.messages)
-    if run.text:  # continue the partial answer (the API model only sees committed text)
-        messages.append({"role": "assistant", "content": run.text})
+    if run.committed_text:  # continue the partial answer: all of it, also what stop strings or the parser hold
+        messages.append({"role": "assistant", "content": run.committed_text})
     s = run.sampling
     request: dict[str, Any] = {"model": model, "messages": messages, "timeout": timeout, "stream": True,
                                "stream_options": {"include_usage": True},

@@ -78,13 +78,13 @@ def completion_request(run: Run, model: str, max_new_tokens: int) -> dict[str, A
 def whole_answer(run: Run, dep: Deployment, timeout: float) -> Steps:
     """``run``'s whole answer as one streamed chat completion on the deployment, with every argument of the
     request (its structure enforced by the deployment's own structured outputs, as vLLM does for it)."""
-    assert not run.generated and not run.text, "a whole answer starts the answer"
+    assert not run.generated and not run.committed_text, "a whole answer starts the answer"
     extra = {"api_base": verifier_base(dep.base_url) + "/v1", "api_key": dep.api_key or "EMPTY"}
     try:
         yield from api_segment(run, f"hosted_vllm/{dep.model}", timeout, extra, mode="vllm", same_vocab=True)
     except Exception as e:
         status = getattr(e, "status_code", None)
-        if run.text or run.calls or (status is not None and status < 500):
+        if run.committed_text or run.calls or (status is not None and status < 500):
             raise  # a request the deployment refused, or an answer begun: the caller sees it as it is
         raise VerifierUnavailable(f"deployment {dep.base_url} failed: {e}", status=status) from e
     run.served_model = dep.model

@@ -31,6 +31,9 @@ class Run:
         self.tokens: list[int] = []  # prompt + generated, as committed
         self.sid: str | None = None
         self.text, self.stops = "", StopStrings(stop)
+        # every committed text, before stop strings and the tool-call parser: what the API fallback continues
+        # (``text`` lacks what they hold back, a stop string's possible start or an unfinished tool call)
+        self.committed_text = ""
         self.parser = ToolCallParser(tools_enabled=bool(tools))
         self.calls: list[ToolCallEvent] = []
         self.finish: str | None = None
@@ -105,6 +108,7 @@ class Run:
 
     def feed_text(self, text: str) -> list[Any]:
         """Committed text through the stop strings and the tool-call parser: the events it makes final."""
+        self.committed_text += text
         text = self.stops.feed(text)
         if self.stops.stopped:
             self.finish = "stop"

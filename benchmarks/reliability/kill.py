@@ -8,7 +8,8 @@ the call was still running.
 Then the API runs: both verifiers of a call are killed, one after the other, and the call ends on its
 ``fallback_model`` — a fourth verifier process serving the same target as an OpenAI-compatible provider,
 through litellm. The tokens committed before the handover must be plain greedy's, and the rest must be the
-provider's own answer to the conversation with that text as a partial assistant answer: nothing lost or
+provider's own answer to the conversation with that text as a partial assistant answer (none when a kill
+came before the first round: then the provider's answer to the conversation itself): nothing lost or
 repeated, the stream's text equal to the final text."""
 
 from __future__ import annotations
@@ -173,7 +174,10 @@ def _api_problem(target, messages: list[dict], ref: list[int], final: Any, event
     if committed != ref[: len(committed)]:
         return f"the {len(committed)} tokens committed before the handover are not plain greedy's"
     spoken = target.tokenizer.decode(committed, skip_special_tokens=True)
-    body = {"model": "tiny", "messages": [*messages, {"role": "assistant", "content": spoken}],
+    # a kill before the first round leaves no text: then the provider answers the conversation itself (an
+    # empty assistant message would be a finished, empty turn, and a new answer after it)
+    partial = [{"role": "assistant", "content": spoken}] if spoken else []
+    body = {"model": "tiny", "messages": [*messages, *partial],
             "max_tokens": max_tokens - len(committed), "temperature": 0.0}
     r = httpx.post(provider.url + "/v1/chat/completions", json=body, timeout=60,
                    headers={"Authorization": f"Bearer {PROVIDER_KEY}"})

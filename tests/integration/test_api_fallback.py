@@ -18,6 +18,8 @@ from agentspec.client import FinalEvent, SpecClient, TextEvent
 from agentspec.client.api import litellm_module
 from agentspec.drafters import ModelDrafter
 from agentspec.types import SamplingParams
+from benchmarks.reliability import kill
+from tests.helpers import plain_greedy
 from tests.integration.server import LoopbackServer, config
 
 pytestmark = pytest.mark.integration
@@ -182,3 +184,67 @@ def test_penalties_and_logprobs_reach_the_provider(provider):
     assert [e["token"] for e in final.logprobs] == [e["token"] for e in ref["choices"][0]["logprobs"]["content"]]
     with pytest.raises(ValueError, match="logit_bias"):
         api_client(provider).generate(MESSAGES, max_tokens=MAX, sampling=SamplingParams(logit_bias={5: 1.0}))
+
+
+def _fails_at(verifier: LoopbackServer, tokens: int, inside: bool) -> None:
+    """``verifier`` fails (an error in its engine) once the answer has ``tokens`` tokens: as the segment that
+    begins there starts (an HTTP 500), or, ``inside``, within the segment that reaches it (its error line)."""
+    rounds = verifier.engine._rounds
+
+    async def failing(session, req):
+        if session.num_generated >= tokens:
+            raise RuntimeError("the verifier fails here")
+        async for reply in rounds(session, req):
+            yield reply
+            if inside and session.num_generated >= tokens:
+                raise RuntimeError("the verifier fails here")
+
+    verifier.engine._rounds = failing
+
+
+def _reference(target, n: int) -> list[int]:
+    prompt = target.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    return plain_greedy(target, list(prompt), n)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["as-a-segment-begins", "inside-a-segment"])
+def test_a_verifier_failing_mid_answer_hands_all_committed_text_to_the_api(target, provider, inside):
+    """The verifier fails after 8 tokens whose text ends in "j", the start of the stop string "j\\n" (the char
+    model never writes a newline): the client still holds that "j" back, yet it was committed, so the
+    provider continues all 8 tokens' text. The answer is that text + the provider's own continuation of it,
+    streamed as such. A failure inside a segment's stream (its error line, after HTTP 200) hands over like
+    one as a segment begins (HTTP 500), not as an error for the caller."""
+    ref, stop, committed = _reference(target, 40), ["j\n"], 8
+    spoken = target.tokenizer.decode(ref[:committed])
+    assert spoken.endswith("j") and "\n" not in target.tokenizer.decode(ref)
+    with LoopbackServer(target, config()) as verifier:
+        _fails_at(verifier, committed, inside)
+        client = SpecClient(verifier.url, mode="server-ar", segment_tokens=16 if inside else 4, retries=0,
+                            timeout=5, fallback_model=f"openai/{NAME}",
+                            api_kwargs={"api_base": f"{provider.url}/v1", "api_key": KEY})
+        events = list(client.stream(MESSAGES, max_tokens=40, stop=stop))
+    final = events[-1]
+    assert final.tokens == ref[:committed] and final.stats.segments[-1].mode == "api"
+    assert "VerifierUnavailable" in final.stats.fallbacks[0]
+    rest = direct(provider, [*MESSAGES, {"role": "assistant", "content": spoken}], max_tokens=40 - committed,
+                  stop=stop)
+    assert final.text == spoken + rest["choices"][0]["message"]["content"]
+    assert "".join(e.text for e in events if isinstance(e, TextEvent)) == final.text
+
+
+@pytest.mark.parametrize("committed", [0, 8], ids=["before-the-first-round", "mid-answer"])
+def test_the_kill_loops_check_of_an_answer_the_api_finished(target, committed):
+    """The reliability kill loop's check (``benchmarks/reliability/kill.py``) holds for a call the API took
+    over: also when the verifier died before its first round, so nothing was committed and the provider
+    answers the conversation itself (no partial answer; an empty one would be a finished, empty turn)."""
+    key = kill.PROVIDER_KEY
+    with (LoopbackServer(target, config(api_keys=(key,))) as provider,
+          LoopbackServer(target, config()) as verifier):
+        _fails_at(verifier, committed, inside=False)
+        client = SpecClient(verifier.url, mode="server-ar", segment_tokens=4, retries=0, timeout=5,
+                            fallback_model="openai/tiny", api_kwargs={"api_base": f"{provider.url}/v1", "api_key": key})
+        events = list(client.stream(MESSAGES, max_tokens=40))
+        final = events[-1]
+        assert len(final.tokens) == committed and final.stats.segments[-1].mode == "api"
+        assert kill._api_problem(target, MESSAGES, _reference(target, 40), final, events, provider, 40) is None
