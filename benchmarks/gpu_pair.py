@@ -36,18 +36,14 @@ from agentspec.drafters.tree import default_drafter
 from agentspec.local import SpecEngine
 from agentspec.toolcalls import render_chat
 from agentspec.types import SamplingParams, SpecStats
+from benchmarks import common
+from benchmarks.common import log
 
 METHODS = ("plain", "grammar_copy", "model_0.5b", "default_0.5b")
 
 
-def log(*parts: Any) -> None:
-    print(time.strftime("%H:%M:%S"), *parts, flush=True)
-
-
 def write_prompts(path: Path, n: int) -> None:
     """Write ``n`` BFCL prompts plus the warm-up prompt as JSON (needs the ``bfcl-eval`` wheel)."""
-    from benchmarks import common
-
     prompts = common.bfcl_prompts(n)
     rows = [{"id": p.id, "messages": list(p.messages), "tools": list(p.tools)}
             for p in [common.warmup_prompt(prompts), *prompts]]
@@ -75,10 +71,9 @@ def build_methods(target: models.LoadedModel, drafter: models.LoadedModel, curve
 def timed_call(engine: SpecEngine, ids: list[int], tools: list[dict], max_new: int) -> dict[str, Any]:
     device = engine.target.device
     stats, tokens, first = SpecStats(), [], None
-    models.synchronize(device)
+    models.synchronize(device)  # nothing queued before the clock starts; each round reads its tokens back
     t0 = time.perf_counter()
     for event in engine.stream(ids, SamplingParams(max_new_tokens=max_new), stats=stats, tools=tools):
-        models.synchronize(device)
         first = first or (time.perf_counter() - t0, len(event.tokens))
         tokens.extend(event.tokens)
     wall = time.perf_counter() - t0
