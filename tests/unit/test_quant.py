@@ -84,3 +84,43 @@ def test_an_int4_group_that_does_not_divide_a_width_leaves_that_linear_dense():
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 48), torch.nn.Linear(48, 16))
     assert quantize_linears(model, "int4", group_size=32) == 2
     assert [type(m).__name__ for m in model] == ["QuantLinear", "QuantLinear", "Linear"]
+
+
+def test_inputs_of_dense_rows_or_more_run_the_kept_dense_linear():
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 48)
+    q = QuantLinear(dense.weight, dense.bias, "int4", dense=dense, dense_rows=4)
+    with torch.no_grad():
+        for rows in (1, 3):  # steps: the quantised weights
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(q(x), torch.nn.functional.linear(x, dequantised(dense.weight, "int4"),
+                                                                        dense.bias), atol=1e-4, rtol=1e-4)
+        x = torch.randn(2, 2, 64)  # four rows in all: a prefill, at the dense weight's own precision
+        assert torch.equal(q(x), dense(x))
+    assert "dense from 4 rows" in repr(q)
+    with pytest.raises(ValueError, match="dense_rows must be >= 2"):
+        QuantLinear(dense.weight, dense.bias, "int4", dense=dense, dense_rows=1)
+
+
+def test_a_quantised_model_prefills_at_dense_precision_and_its_tied_head_shares_the_embeddings():
+    model = copy.deepcopy(tiny_model(seed=3).model).cpu()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.config.tie_word_embeddings = True
+    lean = copy.deepcopy(model)
+    prompt = torch.tensor([[5, 17, 42, 8, 3, 9, 11, 2, 30, 7]])
+    assert prompt.shape[1] >= models.DENSE_ROWS
+    with torch.no_grad():
+        before = model(prompt).logits
+    n = quantize_linears(model, "int4")
+    assert quantize_linears(model, "int4") == 0  # the kept dense linears are not quantised again
+    assert quantize_linears(lean, "int4", dense_rows=None) == n
+    assert model.lm_head.dense.weight is model.model.embed_tokens.weight  # no second copy of that matrix
+    assert all(m.dense is None for m in lean.modules() if isinstance(m, QuantLinear))
+    with torch.no_grad():
+        prefill, rounded = model(prompt).logits, lean(prompt).logits
+        step = model(prompt[:, :1]).logits  # one row: the quantised weights
+    torch.testing.assert_close(prefill, before, atol=1e-4, rtol=1e-4)  # packed vs stock: summation order only
+    assert (rounded - before).abs().max() > 1e-3
+    torch.testing.assert_close(step, lean(prompt[:, :1]).logits)
+    with pytest.raises(ValueError, match="dense_rows must be None or >= 2"):
+        quantize_linears(copy.deepcopy(lean), "int8", dense_rows=0)
