@@ -72,7 +72,10 @@ SERVER_OF = {"server_small": "small", "server_0.5b_int4": "int4"}
 MADE = {"tuned": ("drafters/pair-0.5b-lora", "python -m benchmarks.train --pair"),
         "small": ("drafters/pair-1.5b-2l", "python -m benchmarks.train --pair --recipe from-target")}
 USES = {"edge_tuned": "tuned", "edge_small": "small", "server_small": "small"}
-WARM = "Reply with one short sentence: what is a tool call?"
+# one per warm-up call: auto's three would otherwise ask the same thing, and the mode tried second would copy
+# the first one's answer from the copy index, a text no task gives it (server looked 4.8 tokens a round there)
+WARM = ("Reply with one short sentence: what is a tool call?", "In one sentence: why do agents call tools?",
+        "Name, in one short sentence, one thing a weather tool returns.")
 # --system-prompt: the demo's AGENT_RULES by default. With none (the chat template's own) the 1.5B often repeats
 # a call after its result; a step-by-step prompt (below) made it write long free-text plans with made-up tool
 # results instead.
@@ -163,8 +166,8 @@ def run_rtt(srvs: dict[str, Verifier], rtt_ms: float, methods: tuple[str, ...], 
         chat = {m: make_model(urls[SERVER_OF.get(m, "main")], m, f"{tag}-{m}-{rtt_ms:g}", drafters, args)
                 for m in methods}
         for m in methods:  # untimed: first requests, and the router's first look at each mode (auto tries
-            for _ in range(3 if m == "auto" else 1):  # an untried mode first: one short call per mode)
-                warm_up(chat[m], args)
+            for question in WARM[: 3 if m == "auto" else 1]:  # an untried mode first: one short call per mode)
+                warm_up(chat[m], args, question)
         runs: dict[str, dict[str, Any]] = {m: {} for m in methods}
         for i, task in enumerate(tasks):
             order = methods[i % len(methods):] + methods[: i % len(methods)]
@@ -177,15 +180,15 @@ def run_rtt(srvs: dict[str, Verifier], rtt_ms: float, methods: tuple[str, ...], 
     return runs
 
 
-def warm_up(model: ChatAgentSpec, args: Any) -> None:
+def warm_up(model: ChatAgentSpec, args: Any, question: str = WARM[0]) -> None:
     """One short untimed call. With the agent's prefix (the default): its system prompt and the world's tools,
     which the chat template renders ahead of the user's turn, so the verifier holds their KV as it does for a
     deployed agent after its first request, and the first task does not alone pay that prefill for every
     method (``--cold-agent-prefix``: the bare call every run before this option made)."""
     if args.cold_agent_prefix:
-        model.invoke(WARM, max_tokens=24)
+        model.invoke(question, max_tokens=24)
         return
-    messages = ([("system", args.system_prompt)] if args.system_prompt else []) + [("human", WARM)]
+    messages = ([("system", args.system_prompt)] if args.system_prompt else []) + [("human", question)]
     model.bind_tools(World().tools()).invoke(messages, max_tokens=24)
 
 

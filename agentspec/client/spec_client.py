@@ -26,6 +26,7 @@ from agentspec.client.run import Run
 from agentspec.drafters import make_drafter
 from agentspec.drafters.base import DraftContext, Drafter, remember_output
 from agentspec.drafters.copy import SuffixIndex
+from agentspec.drafters.grammar import warm_grammar_tokenizer
 from agentspec.drafters.replay import shadow_replays
 from agentspec.protocol import SERVER_DRAFTERS, RoundReply, SessionInfo, Tokenize
 from agentspec.router import ModeConfig, ModePolicy
@@ -91,6 +92,7 @@ class SpecClient:
         if drafter is not None and tokenizer is not None and not getattr(drafter, "merges_sources", False):
             self.tool_drafter = make_drafter("default", tokenizer=tokenizer, model=drafter,
                                              index=SuffixIndex())
+            warm_grammar_tokenizer(tokenizer)  # its grammar's index takes about a second: built meanwhile
         # the chain drafters the router judges modes by, replayed over committed text: the edge drafter's
         # shadow (when there is no tool drafter) and what the verifier builds for server_drafter="ngram"
         shadow = getattr(drafter, "shadow", None)

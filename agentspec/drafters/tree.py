@@ -73,6 +73,11 @@ class TreeDrafter:
         """The model drafter's catch-up prefills since the last call (tokens, seconds)."""
         return take_catchup(self.model)
 
+    def prepare(self, ctx: DraftContext) -> None:
+        """The grammar's set-up for ``ctx`` (:meth:`GrammarDrafter.prepare`), ahead of a timed proposal."""
+        if self.grammar is not None:
+            self.grammar.prepare(ctx)
+
     def set_verify_costs(self, seconds_by_pass_len: Mapping[int, float], flat: float = 1.15,
                          most: int = 32) -> int:
         """Set the node budget to the most tokens a pass can carry for at most ``flat`` times the cost of

@@ -197,3 +197,25 @@ def test_a_draft_ahead_cut_short_is_drafted_on_to_the_rounds_length(target):
     _, _, _, sent = edge.round(run, seg, ModePolicy())  # nothing measured: γ = 6
     fresh = ModelDrafter(target).propose(DraftContext(run.tokens, len(tokens)), 6)
     assert seg.pipelined == 1 and sent.tokens == fresh.tokens and len(sent) == 6
+
+
+class _SlowSetUp(ModelDrafter):
+    """A model drafter whose per-request set-up (as a grammar's compilation) takes ``setup_s``."""
+
+    setup_s = 0.3
+
+    def prepare(self, ctx: DraftContext) -> None:
+        time.sleep(self.setup_s)
+
+
+def test_a_drafters_set_up_is_not_counted_as_drafting(target):
+    from agentspec.client.run import Run
+    from agentspec.types import SamplingParams
+
+    run = Run([{"role": "user", "content": "hi"}], None, 32, SamplingParams(), [], "edge", _SlowSetUp(target))
+    run.prompt = run.tokens = make_prompt(0, length=8)
+    edge = EdgeDrafting(4, None, None, preview=False)
+    t0 = time.perf_counter()
+    prop, draft_s, _ = edge._propose(run, 4)
+    assert len(prop) == 4 and time.perf_counter() - t0 >= _SlowSetUp.setup_s
+    assert draft_s < _SlowSetUp.setup_s and edge.round_draft_s == draft_s

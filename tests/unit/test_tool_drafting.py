@@ -227,3 +227,15 @@ def test_any_token_chunking_gives_the_same_calls(i, cuts):
     result = _decode_parse(token_ids, cuts)
     assert result == _decode_parse(token_ids, [])
     assert result[1] and all(isinstance(args, dict) for _, args in result[1])
+
+
+def test_prepare_compiles_the_grammar_ahead_and_changes_no_draft(tok):
+    """``prepare`` is the set-up a timed proposal runs first (the edge client keeps it out of the drafting
+    seconds the router prices rounds by): after it the grammar is compiled, and the draft is the same."""
+    prompt = ids(tok, "<user>weather in Paris?\n<assistant>")
+    ctx = DraftContext(prompt + ids(tok, '<tool_call>\n{"name": "get_w'), len(prompt), tools=TOOLS)
+    fresh, prepared = default_drafter(tok), default_drafter(tok)
+    prepared.prepare(ctx)
+    assert len(prepared.grammar._grammars) == 1 and not fresh.grammar._grammars
+    assert prepared.propose(ctx, 4).tokens == fresh.propose(ctx, 4).tokens
+    assert tok.decode(list(prepared.propose(ctx, 4).tokens)).startswith('eather", "argume')  # max_forced: 16
