@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator
+from functools import partial
 from typing import Any
 
 from agentspec.client.events import SegmentStats
@@ -20,9 +21,11 @@ from agentspec.drafters.base import (
     DraftContext,
     catch_up,
     catchup_tokens,
+    known_next,
     propose_round,
     take_catchup,
 )
+from agentspec.drafters.replay import replay_known_next
 from agentspec.router import ModePolicy, ema
 from agentspec.toolcalls import normalise_tools, render_chat
 from agentspec.types import DraftProposal, SamplingParams
@@ -142,18 +145,22 @@ class EdgeDrafting:
         chunk_s = None if self.round_s is None else self.round_s + (wait_s or 0.0)
         if chunk_s is not None and left_tokens is not None and self.round_tokens:
             chunk_s = min(chunk_s, (wait_s or 0.0) + (left_tokens / self.round_tokens - 1) * self.round_s)
-        reply, spent = yield WhileDrafting(request, Call(self.catch_up, None, (run.drafter, tokens, chunk_s)),
-                                           until_reply=True)
+        # in auto, greedy: the drafter's choices over the answer too, for the router's edge shadow
+        next_from = len(run.prompt) - 1 if run.mode == "auto" and run.prompt and run.sampling.greedy else None
+        reply, spent = yield WhileDrafting(request, Call(partial(self.catch_up, next_from=next_from), None,
+                                                         (run.drafter, tokens, chunk_s)), until_reply=True)
         if seg is not None:
             seg.draft_ahead_s += spent
         return reply
 
-    def catch_up(self, drafter: Any, tokens: list[int], chunk_s: float | None, arrived: Callable[[], bool]) -> float:
+    def catch_up(self, drafter: Any, tokens: list[int], chunk_s: float | None, arrived: Callable[[], bool],
+                 next_from: int | None = None) -> float:
         """While a request is in flight: prefill ``drafter`` over ``tokens`` in chunks until ``arrived()``, so
         an edge segment (a probe, or the router's switch) does not pay for it on its critical path. The request
         goes on without the client; only what follows its reply waits, for the chunk under way: each is sized
         to take at most about ``chunk_s`` (a server round's time, so a segment's last line waits a fraction
-        of one). What is left is caught up during the next requests."""
+        of one). What is left is caught up during the next requests. ``next_from``: see
+        :func:`~agentspec.drafters.base.catch_up`."""
         t0 = time.perf_counter()
         upto = len(tokens) - catchup_tokens(drafter, tokens)  # where the drafter's cache ends
         while len(tokens) - 1 - upto >= CATCHUP_MIN and not arrived():
@@ -163,7 +170,7 @@ class EdgeDrafting:
                 break
             n = left if left < n + CATCHUP_MIN else n  # no tail too short to prefill on its own
             c0 = time.perf_counter()
-            catch_up(drafter, tokens[: upto + n + 1])  # prefills all but the last token it is given
+            catch_up(drafter, tokens[: upto + n + 1], next_from)  # prefills all but the last token it is given
             took = time.perf_counter() - c0
             if n & (n - 1) == 0:  # the sizes chosen below (a tail's odd size is not one)
                 self.chunk_s[n] = ema(self.chunk_s.get(n), took, 0.3)
@@ -189,6 +196,22 @@ class EdgeDrafting:
                 return 2 * n  # try it: its time is measured from now on
             n *= 2
         return n
+
+    def shadow(self, run: Run, seg: SegmentStats, policy: ModePolicy) -> None:
+        """After an auto segment another mode ran: replay edge's rounds over the text committed since the last
+        replay, as far as the drafter's catch-up knows its choices, and tell the router. Greedy prose only: a
+        segment edge ran speaks for itself, and a tool call's JSON (which its grammar and copies draft too,
+        the replay being the model's chain alone) would pass for prose, as a call opens in text."""
+        if seg.mode == "edge" or not run.sampling.greedy or seg.kind != "text" or run.calls or run.kind != "text":
+            run.shadowed_to = len(run.tokens)
+            return
+        start = max(run.shadowed_to, len(run.prompt), 1)
+        if start >= len(run.tokens):
+            return
+        replay = replay_known_next(known_next(run.drafter, run.tokens), run.tokens, start, policy.config.gamma_max)
+        if replay.rounds:
+            run.shadowed_to = start + replay.tokens
+            policy.observe_edge_shadow(replay, kind=seg.kind)
 
     def draft_ahead(self, run: Run, seg: SegmentStats, prop: DraftProposal, arrived: Callable[[], bool]) -> float:
         """While a round is in flight: draft the round after it into ``run.ahead``, assuming the target

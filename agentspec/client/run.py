@@ -48,6 +48,7 @@ class Run:
         self.stop_token_ids: frozenset[int] = frozenset()
         # pipelined edge drafting: (the tokens it assumed committed, the draft after them)
         self.ahead: tuple[tuple[int, ...], DraftProposal] | None = None
+        self.shadowed_to = 0  # auto: tokens up to here were replayed for the router's edge shadow (EdgeDrafting)
         self.constrained = False  # the verifier decodes this answer under its grammar (SessionInfo)
         self.max_draft_tokens = 16  # the verifier's cap on one round's draft (SessionInfo)
         self.parallel_tool_calls = True  # False: a constrained answer holds one tool call

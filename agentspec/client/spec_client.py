@@ -301,6 +301,7 @@ class SpecClient:
                 replays = shadow_replays(shadows, run.tokens, len(run.prompt), len(run.tokens) - seg.tokens,
                                          config.gamma_max)
                 self.policy.observe_replays(replays, kind=seg.kind)
+                self._edge.shadow(run, seg, self.policy)
 
     def _failover(self, run: Run, error: VerifierError) -> None:
         """Continue elsewhere with the committed tokens: another verifier, then the fallback API model."""

@@ -121,11 +121,21 @@ def catchup_tokens(drafter: Drafter | None, tokens: list[int]) -> int:
     return behind(tokens) if behind is not None else 0
 
 
-def catch_up(drafter: Drafter | None, tokens: list[int]) -> None:
-    """Let ``drafter`` prefill over ``tokens`` now, off the critical path (drafters without a cache: nothing)."""
+def catch_up(drafter: Drafter | None, tokens: list[int], next_from: int | None = None) -> None:
+    """Let ``drafter`` prefill over ``tokens`` now, off the critical path (drafters without a cache: nothing);
+    ``next_from``: and note its greedy next token after each position from there on (:func:`known_next`)."""
     prefill = getattr(drafter, "catch_up", None)
-    if prefill is not None:
+    if prefill is not None and next_from is None:
         prefill(tokens)
+    elif prefill is not None:
+        prefill(tokens, next_from)
+
+
+def known_next(drafter: Drafter | None, tokens: list[int]) -> list[int]:
+    """A model drafter's greedy next token after each position of ``tokens`` it has seen (-1: not computed;
+    see :meth:`~agentspec.drafters.model.ModelDrafter.known_next`); [] for drafters without one."""
+    known = getattr(drafter, "known_next", None)
+    return known(tokens) if known is not None else []
 
 
 def take_catchup(drafter: Drafter | None) -> tuple[int, float]:

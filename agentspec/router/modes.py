@@ -260,6 +260,15 @@ class ModePolicy:
             if mode == "edge" and r.drafted:
                 self.t_d_shadow = ema(self.t_d_shadow, r.draft_s / r.drafted, self.config.ema)
 
+    def observe_edge_shadow(self, replay: ChainReplay, kind: str = "text") -> None:
+        """Edge rounds replayed over text another mode committed, from the local model drafter's greedy
+        choices its catch-up computed (:func:`~agentspec.drafters.replay.replay_known_next`). They count with
+        edge's own rounds of ``kind`` (E[A], γ̄), so edge's estimate follows the text in hand while edge
+        does not run, instead of resting on its last probe. The model's chain only: where the tree's copies
+        or grammar would add, a lower bound. Probes still measure what the closed form leaves out."""
+        for _ in range(replay.rounds):
+            self._observe_round_counts("edge", kind, replay.tokens / replay.rounds, replay.drafted / replay.rounds)
+
     def _per_round(self, mode: str, mean_accepted: float, gamma: float, kind: str | None = None) -> None:
         keys = [(self.per_round, mode)] + ([(self.per_round_kind, (mode, kind))] if kind is not None else [])
         for table, key in keys:

@@ -59,6 +59,8 @@ def test_what_cannot_be_quantised_is_refused():
         models.load_model("qwen2.5-coder-0.5b-instruct", device="cpu", quantize="int2")
     with pytest.raises(ValueError, match="exclusive"):
         models.load_model("qwen2.5-coder-0.5b-instruct", device="cpu", quantize="int4", pack_linears=True)
+    with pytest.raises(ValueError, match="quantize_dense_rows applies to quantised linears only"):
+        models.load_model("qwen2.5-coder-0.5b-instruct", device="cpu", quantize_dense_rows=None)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
