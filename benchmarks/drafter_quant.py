@@ -4,9 +4,10 @@ and a catch-up prefill cost, and how often each one's greedy token is the 1.5B t
 Run: ``python -m benchmarks.drafter_quant`` (alone on the machine, ~6 minutes). Writes
 ``benchmarks/results/drafter_quant.json``. One core, one thread, as the agent benchmark's client. On BFCL
 tool-calling prompts (tools in the chat template): the 1.5B decodes greedily; each drafter then reads the
-prompt and the target's answer in one pass, and its top-1 at every answer position is compared with the
-target's token there (the per-token acceptance a chain draft would see); its decoding steps are timed on
-its own greedy continuation, after a warm-up.
+prompt in one pass (timed: a catch-up's cost) and the target's answer one token a pass, and its top-1 at
+every answer position is compared with the target's token there (the per-token acceptance a chain draft
+would see); its decoding steps are timed on its own greedy continuation, after a warm-up. int4 runs twice:
+as loaded by default (prefills on its kept dense weights) and with ``quantize_dense_rows=None``.
 """
 
 from __future__ import annotations
@@ -42,10 +43,13 @@ def target_answers(prompts: list[list[int]], new_tokens: int) -> list[list[int]]
     return out
 
 
-def measure(scheme: str | None, prompts: list[list[int]], answers: list[list[int]], steps: int) -> dict[str, Any]:
-    """One drafter's agreement with the target's answers, prefill seconds and seconds per decoding step."""
+def measure(scheme: str | None, prompts: list[list[int]], answers: list[list[int]], steps: int,
+            dense_rows: int | None = models.DENSE_ROWS) -> dict[str, Any]:
+    """One drafter's agreement with the target's answers, prefill seconds and seconds per decoding step.
+    ``dense_rows``: a quantised drafter's (None: no dense copies, every pass on the quantised weights)."""
+    extra = {} if scheme is None else {"quantize_dense_rows": dense_rows}
     drafter, load_s = common.timed(lambda: models.load_model(DRAFTER, device="cpu", dtype="bfloat16",
-                                                             quantize=scheme))
+                                                             quantize=scheme, **extra))
     agree = total = 0
     prefill_s = []
     for ids, answer in zip(prompts, answers, strict=True):
@@ -53,8 +57,9 @@ def measure(scheme: str | None, prompts: list[list[int]], answers: list[list[int
         t0 = time.perf_counter()
         models.forward(drafter.model, ids, cache, num_logits=1)
         prefill_s.append((time.perf_counter() - t0) / len(ids))
-        logits = models.forward(drafter.model, answer[:-1], cache, num_logits=len(answer) - 1)
-        picks = [int(x) for x in logits.argmax(-1).tolist()]  # position i predicts answer[i + 1]
+        picks = []  # position i predicts answer[i + 1]; one token a pass, as chain drafting feeds them
+        for token in answer[:-1]:
+            picks.append(int(models.forward(drafter.model, [token], cache, num_logits=1)[-1].argmax()))
         agree += sum(p == a for p, a in zip(picks, answer[1:], strict=True))
         total += len(answer) - 1
     step_s = []
@@ -90,11 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     for scheme in SCHEMES:
         rows[scheme or "bf16"] = measure(scheme, prompts, answers, args.steps)
         log(scheme or "bf16", rows[scheme or "bf16"])
-    bf16, int4 = rows["bf16"], rows["int4"]
+    rows["int4_no_dense"] = measure("int4", prompts, answers, args.steps, dense_rows=None)
+    log("int4_no_dense", rows["int4_no_dense"])
+    bf16, int4, lean = rows["bf16"], rows["int4"], rows["int4_no_dense"]
     result = {"acceptance": {
         "step_speedup_int4": round(bf16["step_ms"] / int4["step_ms"], 3),
         "agreement_bf16": bf16["agreement_with_target"], "agreement_int4": int4["agreement_with_target"],
-        "prefill_cost_int4_vs_bf16": round(int4["prefill_ms_per_token"] / bf16["prefill_ms_per_token"], 3)},
+        "prefill_cost_int4_vs_bf16": round(int4["prefill_ms_per_token"] / bf16["prefill_ms_per_token"], 3),
+        "prefill_cost_int4_no_dense_vs_bf16": round(lean["prefill_ms_per_token"] / bf16["prefill_ms_per_token"], 3)},
         "drafters": rows,
         "setup": {"target": TARGET, "drafter": DRAFTER, "dtype": "bfloat16 activations (int8/int4: weights only)",
                   "prompts": [p.id for p in chosen], "new_tokens": args.new_tokens, "steps": args.steps,
