@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from functools import partial
 from typing import Any
 
@@ -25,7 +25,7 @@ from agentspec.drafters.base import (
     propose_round,
     take_catchup,
 )
-from agentspec.drafters.replay import replay_known_next
+from agentspec.drafters.replay import replay_known_next, shadow_replays
 from agentspec.router import ModePolicy, ema
 from agentspec.toolcalls import normalise_tools, render_chat
 from agentspec.types import DraftProposal, SamplingParams
@@ -197,11 +197,17 @@ class EdgeDrafting:
             n *= 2
         return n
 
-    def shadow(self, run: Run, seg: SegmentStats, policy: ModePolicy) -> None:
-        """After an auto segment another mode ran: replay edge's rounds over the text committed since the last
-        replay, as far as the drafter's catch-up knows its choices, and tell the router. Greedy prose only: a
-        segment edge ran speaks for itself, and a tool call's JSON (which its grammar and copies draft too,
-        the replay being the model's chain alone) would pass for prose, as a call opens in text."""
+    def shadow(self, run: Run, seg: SegmentStats, policy: ModePolicy, shadows: Mapping[str, Any] | None = None
+               ) -> None:
+        """After an auto segment: the router's shadowed modes (``shadows``: mode → chain drafter) replayed over
+        its tokens; and, after a segment another mode ran, edge's rounds replayed over the text committed since
+        the last replay, as far as the drafter's catch-up knows its choices. Greedy prose only: a segment
+        edge ran speaks for itself, and a tool call's JSON (which its grammar and copies draft too, the replay
+        being the model's chain alone) would pass for prose, as a call opens in text."""
+        config = policy.config
+        policy.observe_replays(shadow_replays({m: d for m, d in (shadows or {}).items() if m in config.shadowed},
+                                              run.tokens, len(run.prompt), len(run.tokens) - seg.tokens,
+                                              config.gamma_max), kind=seg.kind)
         if seg.mode == "edge" or not run.sampling.greedy or seg.kind != "text" or run.calls or run.kind != "text":
             run.shadowed_to = len(run.tokens)
             return

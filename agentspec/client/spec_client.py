@@ -27,7 +27,6 @@ from agentspec.drafters import make_drafter
 from agentspec.drafters.base import DraftContext, Drafter, remember_output
 from agentspec.drafters.copy import SuffixIndex
 from agentspec.drafters.grammar import warm_grammar_tokenizer
-from agentspec.drafters.replay import shadow_replays
 from agentspec.protocol import SERVER_DRAFTERS, RoundReply, SessionInfo, Tokenize
 from agentspec.router import ModeConfig, ModePolicy
 from agentspec.transport import HTTPTransport, ResendPrefix, Timed, VerifierError, VerifierUnavailable
@@ -295,13 +294,8 @@ class SpecClient:
             self.policy.observe_segment(seg.mode, seg.wall_s / seg.tokens, tokens=seg.tokens, rounds=seg.rounds,
                                         drafted=seg.drafted, draft_s=seg.draft_s, kind=seg.kind,
                                         catchup_s=seg.catchup_s)
-            if run.mode == "auto":  # judge the shadowed modes on the text just committed
-                config = self.policy.config
-                shadows = {m: d for m, d in self._shadows.items() if m in config.shadowed}
-                replays = shadow_replays(shadows, run.tokens, len(run.prompt), len(run.tokens) - seg.tokens,
-                                         config.gamma_max)
-                self.policy.observe_replays(replays, kind=seg.kind)
-                self._edge.shadow(run, seg, self.policy)
+            if run.mode == "auto":  # judge the shadowed modes, and edge's model, on the text just committed
+                self._edge.shadow(run, seg, self.policy, self._shadows)
 
     def _failover(self, run: Run, error: VerifierError) -> None:
         """Continue elsewhere with the committed tokens: another verifier, then the fallback API model."""
