@@ -214,7 +214,7 @@ class EdgeDrafting:
         start = max(run.shadowed_to, len(run.prompt), 1)
         if start >= len(run.tokens):
             return
-        replay = replay_known_next(known_next(run.drafter, run.tokens), run.tokens, start, policy.config.gamma_max)
+        replay = replay_known_next(known_next(run.drafter, run.tokens), run.tokens, start, config.gamma_max)
         if replay.rounds:
             run.shadowed_to = start + replay.tokens
             policy.observe_edge_shadow(replay, kind=seg.kind)

@@ -93,4 +93,3 @@ def replay_known_next(next_tokens: Sequence[int], tokens: Sequence[int], start: 
         out.gammas.append(gamma)
         p += accepted + 1
     return out
-
