@@ -93,12 +93,15 @@ class EdgeDrafting:
         hypothesis to draft after. The tool drafter (grammar + copy + model) drafts ahead losslessly too: its
         grammar follows whatever tokens it is given and re-follows the committed ones when a hypothesis
         fails, copies are looked up afresh, a model drafter crops its cache. By default (``pipeline=None``)
-        only where a round's drafting is long enough to be worth hiding."""
+        only where a round's drafting is long enough to be worth hiding. A round the policy drafts nothing
+        for (γ = 0) drafts ahead too: the drafter would only wait for its reply, and a guess that comes true
+        gives the next round a draft that cost nothing. Without it, a drafter the policy judged not to pay
+        (say on an answer's first, hard tokens) would sit out every round until the next probe."""
         worth = self.pipeline
         if worth is None:
             worth = (self.round_draft_s or 0.0) >= PIPELINE_MIN_DRAFT_S
-        return (worth and len(prop) > 0 and not prop.is_tree
-                and run.max_tokens - run.generated - len(prop) - 2 >= 0)  # γ = 0: the policy turned drafting off
+        return bool(worth and not prop.is_tree
+                    and run.max_tokens - run.generated - len(prop) - 2 >= 0)  # room for a guess and a draft
 
     def catches_up(self, run: Run, opening: bool = False) -> bool:
         """Whether a request of ``run`` in flight should let the local drafter catch up meanwhile: in auto

@@ -13,6 +13,7 @@ reduced output vocabulary drafts from that set only.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ class ModelDrafter:
     """Draft with a small causal LM (a :class:`~agentspec.models.LoadedModel` or a bare HF model)."""
 
     name = "model"
+    checks_leads = True  # propose(..., lead=) reads a guessed continuation in one pass (TreeDrafter's copies)
 
     def __init__(self, model: Any, tree_width: int = 1, proposal_top_k: int = 32) -> None:
         if tree_width < 1:
@@ -91,7 +93,16 @@ class ModelDrafter:
         done, self._catchup = self._catchup, (0, 0.0)
         return done
 
-    def propose(self, ctx: DraftContext, k: int) -> DraftProposal:
+    def propose(self, ctx: DraftContext, k: int, lead: Sequence[int] = ()) -> DraftProposal:
+        """Up to ``k`` draft tokens: the model's chain (with sibling leaves when ``tree_width > 1``).
+
+        ``lead``: a guess at what follows (a copy from the context) for the model to read in its first pass.
+        That one pass gives the model's greedy pick after each of the lead's prefixes, so the draft takes
+        the lead's tokens while they are the model's own picks, then the model's pick where they part, and
+        drafts on from there a token a step: the chain the model drafts alone (up to a pass's rounding: a
+        quantised drafter runs passes of many rows on its dense weights), for one pass however many lead
+        tokens it keeps. Greedy, unconstrained chains only; ignored on a catch-up (its first pass is a
+        prefill, timed apart)."""
         if k <= 0 or not ctx.tokens:
             return DraftProposal(source=self.name)
         # 1. reconcile the cache with the committed tokens; always feed at least the last one
@@ -100,6 +111,8 @@ class ModelDrafter:
         self._crop(common)
         feed = ctx.tokens[common:]
         catchup = len(feed) >= CATCHUP_MIN
+        checks = ctx.sampling.greedy and ctx.constraint is None and self.tree_width == 1 and not catchup
+        lead = list(lead[: k - 1]) if checks else []  # a lead read whole and the model's pick after it: k
         t0 = time.perf_counter()
         # 2. draft k tokens along a chain, adding sibling leaves when tree_width > 1
         tokens: list[int] = []
@@ -107,30 +120,44 @@ class ModelDrafter:
         probs: list[SparseDist | None] = []
         parent = -1
         chain: list[int] = []
-        for _ in range(k):
+        while len(chain) < k:
             if chain and ctx.stop is not None and ctx.stop():
                 break  # a draft made ahead whose round's reply is in: what is drafted so far is used
-            logits = models.forward(self.model, feed, self._cache, num_logits=1)[-1]  # [head rows]
-            self._cached.extend(feed)
-            self._next.extend([-1] * len(feed))
+            rows = feed + lead
+            logits = models.forward(self.model, rows, self._cache, num_logits=len(lead) + 1)  # [.., head rows]
+            self._cached.extend(rows)
+            self._next.extend([-1] * len(rows))
             if catchup:  # the first forward: its one drafted token's share is noise next to the prefill
                 catchup = False
                 models.synchronize(logits.device)
                 self._catchup = (self._catchup[0] + len(feed), self._catchup[1] + time.perf_counter() - t0)
-            masked = None
-            if ctx.constraint is not None:  # a constrained answer: draft from the grammar-masked law
-                masked = _masked(self._full_logits(logits), ctx.constraint.allowed_after([*ctx.tokens, *chain]))
-                if masked is None:
-                    break
-            picked, dist = self._pick(logits, ctx, masked)
-            node = len(tokens)
-            for tok in picked:
-                tokens.append(tok)
-                parents.append(parent)
-                probs.append(dist)
-            feed = [picked[0]]
-            chain.append(picked[0])
-            parent = node
+            if lead:  # the model's picks after each lead prefix: keep the lead up to where they part
+                picks = self._ids(logits.argmax(dim=-1))
+                kept = next((i for i, (p, t) in enumerate(zip(picks, lead, strict=False)) if p != t), len(lead))
+                self._crop(len(self._cached) - (len(lead) - kept))  # the lead's tokens after the parting
+                for tok in (*lead[:kept], picks[kept]):  # a chain: each node the child of the one before
+                    tokens.append(tok)
+                    parents.append(parent)
+                    probs.append(None)
+                    chain.append(tok)
+                    parent = len(tokens) - 1
+                lead = []
+            else:
+                masked = None
+                if ctx.constraint is not None:  # a constrained answer: draft from the grammar-masked law
+                    masked = _masked(self._full_logits(logits[-1]),
+                                     ctx.constraint.allowed_after([*ctx.tokens, *chain]))
+                    if masked is None:
+                        break
+                picked, dist = self._pick(logits[-1], ctx, masked)
+                node = len(tokens)
+                for tok in picked:
+                    tokens.append(tok)
+                    parents.append(parent)
+                    probs.append(dist)
+                chain.append(picked[0])
+                parent = node
+            feed = [chain[-1]]
         tree = self.tree_width > 1
         return DraftProposal(
             tokens=tuple(tokens),
@@ -138,6 +165,10 @@ class ModelDrafter:
             draft_probs=None if ctx.sampling.greedy else tuple(probs),
             source=self.name,
         )
+
+    def _ids(self, rows: torch.Tensor) -> list[int]:
+        """Token ids of head rows (a reduced vocabulary's rows map back to their ids)."""
+        return (rows if self._token_map is None else self._token_map[rows.to(self._token_map.device)]).tolist()
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary: a reduced head's rows scattered to their token ids, the
@@ -155,8 +186,7 @@ class ModelDrafter:
         if ctx.sampling.greedy and masked is not None:
             return torch.topk(masked, self.tree_width).indices.tolist(), None
         if ctx.sampling.greedy:
-            top = torch.topk(logits, self.tree_width).indices
-            return (top if self._token_map is None else self._token_map[top.to(self._token_map.device)]).tolist(), None
+            return self._ids(torch.topk(logits, self.tree_width).indices), None
         logits = self._full_logits(logits) if masked is None else masked  # processors index by token id
         probs = sampling_probs(logits, ctx.sampling)
         top = torch.topk(probs, min(self.proposal_top_k, probs.shape[-1]))

@@ -2,6 +2,8 @@
 
 The forced tokens come first (every path shares them); copy candidates and the model's chain continue
 the extended context, each cut to what the grammar allows, merged into a trie and verified in one pass.
+A long copy match leads the chain, unless the model drafter read it (:meth:`ModelDrafter.propose`'s lead):
+the model then drafts its own chain for one pass over the copy's tokens it agrees with, and leads.
 Extra branches are added only while the measured verify-cost curve stays flat
 (:meth:`TreeDrafter.set_verify_costs`); where t_v(k) grows with k the tree stays a chain.
 """
@@ -28,7 +30,7 @@ from agentspec.drafters.gate import Drafted, ModelGate
 from agentspec.drafters.grammar import GrammarDrafter
 from agentspec.types import DraftProposal
 
-STRONG_COPY = 2  # copy matches at least this long are tried before the model drafter's guess
+STRONG_COPY = 2  # copy matches at least this long are tried before the model's chain (or read by it)
 
 
 @register_drafter("tree")
@@ -111,18 +113,23 @@ class TreeDrafter:
             extended = ctx.tokens + forced
             budget = len(forced) + k + self.node_budget
             candidates, model_s = self._candidates(ctx, extended, k, use_model)
-            for i, (from_model, cand) in enumerate(candidates):
+            paths = []
+            for from_model, cand in candidates:
                 if self.grammar is not None and forced:
                     cand = cand[: self.grammar.valid_prefix(forced + cand) - len(forced)]
                 elif self.grammar is not None:
                     cand = cand[: self.grammar.valid_prefix(cand)]
-                if not cand:
-                    continue
-                path = forced + cand
+                if cand:
+                    paths.append((from_model, forced + cand))
+            for i, (from_model, path) in enumerate(paths):
                 if i and len(trie.tokens) + trie.new_nodes(path) > budget:
                     break
                 trie.add_chain(path)
                 drafted[from_model].append(path)
+            # the gate weighs the model against the round without it, which the first copy would have led
+            copy = next((p for from_model, p in paths if not from_model), None)
+            if copy is not None and copy not in drafted[False]:
+                drafted[False].append(copy)
         self.last_model_s = model_s
         if gate is not None:
             self._drafted = gate.drafted(ctx.tokens, drafted[False], drafted[True], model_s, started)
@@ -176,8 +183,14 @@ class TreeDrafter:
             sub = dataclasses.replace(ctx, tokens=extended)
             clock = self.gate.clock if self.gate is not None else time.perf_counter
             t0 = clock()
-            model = [(True, p) for p in _paths(self.model.propose(sub, k))]
+            # a model that reads the strongest copy in one pass (ModelDrafter's lead) drafts its own chain for
+            # less, having seen where the copy parts from its picks: its chain then comes first
+            lead = strong[0][1] if strong and getattr(self.model, "checks_leads", False) else None
+            proposal = self.model.propose(sub, k) if lead is None else self.model.propose(sub, k, lead=lead)
+            model = [(True, p) for p in _paths(proposal)]
             model_s = clock() - t0
+            if lead is not None and model:
+                return model + strong + weak, model_s
         return strong + model + weak, model_s
 
     def _source(self, forced: list[int]) -> str:

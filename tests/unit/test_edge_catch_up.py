@@ -219,3 +219,31 @@ def test_a_drafters_set_up_is_not_counted_as_drafting(target):
     prop, draft_s, _ = edge._propose(run, 4)
     assert len(prop) == 4 and time.perf_counter() - t0 >= _SlowSetUp.setup_s
     assert draft_s < _SlowSetUp.setup_s and edge.round_draft_s == draft_s
+
+
+def test_a_round_that_drafts_nothing_still_drafts_the_next_one_ahead(target):
+    """At γ = 0 (the policy judged drafting not to pay) the drafter drafts ahead while the round is in flight:
+    the next round uses that draft, at no drafting cost, when its guess was the target's token; when it was
+    not, the next round drafts as it would have anyway."""
+    from agentspec.client.events import SegmentStats
+    from agentspec.client.run import Run
+    from agentspec.router import ModePolicy
+    from agentspec.types import DraftProposal, SamplingParams
+
+    tokens = make_prompt(2)
+    edge = EdgeDrafting(4, True, None, preview=False)
+    for came_true in (True, False):
+        run = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "edge", ModelDrafter(target))
+        run.prompt, run.tokens = list(tokens), list(tokens)
+        seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, {}, "text")
+        nothing = DraftProposal()
+        assert edge.pipelines(run, nothing)
+        edge.draft_ahead(run, seg, nothing, _after(10**6))
+        guess = run.ahead[0][-1]
+        assert run.ahead[0] == (*tokens, guess) and len(run.ahead[1]) == 4
+        run.tokens = [*tokens, guess if came_true else (guess + 1) % 64]  # the round's one token
+        _, draft_s, _, sent = edge.round(run, seg, ModePolicy())
+        fresh = ModelDrafter(target).propose(DraftContext(run.tokens, len(tokens)), 4)
+        assert sent.tokens == fresh.tokens
+        assert seg.pipelined == int(came_true) and (draft_s == 0.0) is came_true
+    assert not EdgeDrafting(4, False, None, preview=False).pipelines(run, nothing)  # pipelining off: never
