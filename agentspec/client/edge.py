@@ -96,12 +96,16 @@ class EdgeDrafting:
         only where a round's drafting is long enough to be worth hiding. A round the policy drafts nothing
         for (γ = 0) drafts ahead too: the drafter would only wait for its reply, and a guess that comes true
         gives the next round a draft that cost nothing. Without it, a drafter the policy judged not to pay
-        (say on an answer's first, hard tokens) would sit out every round until the next probe."""
+        (say on an answer's first, hard tokens) would sit out every round until the next probe. Not while
+        the drafter is behind, though: no proposal has caught it up, and a first pass that prefills could
+        not stop when the reply is in."""
         worth = self.pipeline
         if worth is None:
             worth = (self.round_draft_s or 0.0) >= PIPELINE_MIN_DRAFT_S
-        return bool(worth and not prop.is_tree
-                    and run.max_tokens - run.generated - len(prop) - 2 >= 0)  # room for a guess and a draft
+        if not len(prop) and catchup_tokens(run.drafter, run.tokens):
+            return False  # no round has caught the drafter up: its draft ahead would start with a whole prefill
+        # the next round's γ must be able to use a draft after the guess: a token left after both
+        return bool(worth and not prop.is_tree and run.max_tokens - run.generated - len(prop) - 3 >= 0)
 
     def catches_up(self, run: Run, opening: bool = False) -> bool:
         """Whether a request of ``run`` in flight should let the local drafter catch up meanwhile: in auto

@@ -29,7 +29,6 @@ class ModelDrafter:
     """Draft with a small causal LM (a :class:`~agentspec.models.LoadedModel` or a bare HF model)."""
 
     name = "model"
-    checks_leads = True  # propose(..., lead=) reads a guessed continuation in one pass (TreeDrafter's copies)
 
     def __init__(self, model: Any, tree_width: int = 1, proposal_top_k: int = 32) -> None:
         if tree_width < 1:
@@ -56,6 +55,12 @@ class ModelDrafter:
         feed = len(tokens) - min(common_prefix(self._cached, tokens), len(tokens) - 1)
         return feed if feed >= CATCHUP_MIN else 0
 
+    def reads_lead(self, ctx: DraftContext) -> bool:
+        """Whether :meth:`propose` after ``ctx`` reads a ``lead``: greedy, unconstrained chains whose first pass
+        is a drafting step (a catch-up's is a prefill, timed apart)."""
+        return (ctx.sampling.greedy and ctx.constraint is None and self.tree_width == 1
+                and not self.catchup_tokens(ctx.tokens))
+
     def catch_up(self, tokens: list[int], next_from: int | None = None) -> None:
         """Prefill the cache over ``tokens`` but the last (which the next proposal feeds) off the critical
         path, e.g. while a server-side segment streams; not reported as a catch-up. Drafts stay what they
@@ -73,9 +78,7 @@ class ModelDrafter:
         self._cached.extend(feed)
         self._next.extend([-1] * (len(feed) - scored))
         if scored:
-            top = logits[-scored:].argmax(dim=-1)
-            self._next.extend((top if self._token_map is None else self._token_map[top.to(self._token_map.device)]
-                               ).tolist())
+            self._next.extend(self._ids(logits[-scored:].argmax(dim=-1)))
 
     def known_next(self, tokens: list[int]) -> list[int]:
         """Over the prefix of ``tokens`` in the cache: the drafter's greedy next token after each position
@@ -105,14 +108,13 @@ class ModelDrafter:
         prefill, timed apart)."""
         if k <= 0 or not ctx.tokens:
             return DraftProposal(source=self.name)
+        lead = list(lead[: k - 1]) if lead and self.reads_lead(ctx) else []  # + the model's pick after it: k
         # 1. reconcile the cache with the committed tokens; always feed at least the last one
         common = common_prefix(self._cached, ctx.tokens)
         common = min(common, len(ctx.tokens) - 1)
         self._crop(common)
         feed = ctx.tokens[common:]
         catchup = len(feed) >= CATCHUP_MIN
-        checks = ctx.sampling.greedy and ctx.constraint is None and self.tree_width == 1 and not catchup
-        lead = list(lead[: k - 1]) if checks else []  # a lead read whole and the model's pick after it: k
         t0 = time.perf_counter()
         # 2. draft k tokens along a chain, adding sibling leaves when tree_width > 1
         tokens: list[int] = []
@@ -131,11 +133,8 @@ class ModelDrafter:
                 catchup = False
                 models.synchronize(logits.device)
                 self._catchup = (self._catchup[0] + len(feed), self._catchup[1] + time.perf_counter() - t0)
-            if lead:  # the model's picks after each lead prefix: keep the lead up to where they part
-                picks = self._ids(logits.argmax(dim=-1))
-                kept = next((i for i, (p, t) in enumerate(zip(picks, lead, strict=False)) if p != t), len(lead))
-                self._crop(len(self._cached) - (len(lead) - kept))  # the lead's tokens after the parting
-                for tok in (*lead[:kept], picks[kept]):  # a chain: each node the child of the one before
+            if lead:
+                for tok in self._read_lead(logits, lead):  # a chain: each node the child of the one before
                     tokens.append(tok)
                     parents.append(parent)
                     probs.append(None)
@@ -166,6 +165,15 @@ class ModelDrafter:
             source=self.name,
         )
 
+    def _read_lead(self, logits: torch.Tensor, lead: list[int]) -> list[int]:
+        """The chain read off one pass over ``lead`` (``logits``: its last ``len(lead) + 1`` rows, the model's
+        picks after each lead prefix): the lead's tokens while they are its picks, then its pick where they
+        part. The cache keeps the lead's tokens up to the parting, as if the model had drafted them."""
+        picks = self._ids(logits.argmax(dim=-1))
+        kept = next((i for i, (p, t) in enumerate(zip(picks, lead, strict=False)) if p != t), len(lead))
+        self._crop(len(self._cached) - (len(lead) - kept))
+        return [*lead[:kept], picks[kept]]
+
     def _ids(self, rows: torch.Tensor) -> list[int]:
         """Token ids of head rows (a reduced vocabulary's rows map back to their ids)."""
         return (rows if self._token_map is None else self._token_map[rows.to(self._token_map.device)]).tolist()
@@ -185,6 +193,8 @@ class ModelDrafter:
         the full-vocabulary logits under the grammar's mask, drafted from instead)."""
         if ctx.sampling.greedy and masked is not None:
             return torch.topk(masked, self.tree_width).indices.tolist(), None
+        if ctx.sampling.greedy and self.tree_width == 1:  # argmax, as a lead's and a catch-up's picks are
+            return self._ids(logits.argmax(dim=-1, keepdim=True)), None
         if ctx.sampling.greedy:
             return self._ids(torch.topk(logits, self.tree_width).indices), None
         logits = self._full_logits(logits) if masked is None else masked  # processors index by token id

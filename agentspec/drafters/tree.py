@@ -185,7 +185,8 @@ class TreeDrafter:
             t0 = clock()
             # a model that reads the strongest copy in one pass (ModelDrafter's lead) drafts its own chain for
             # less, having seen where the copy parts from its picks: its chain then comes first
-            lead = strong[0][1] if strong and getattr(self.model, "checks_leads", False) else None
+            reads = getattr(self.model, "reads_lead", None)
+            lead = strong[0][1] if strong and reads is not None and reads(sub) else None
             proposal = self.model.propose(sub, k) if lead is None else self.model.propose(sub, k, lead=lead)
             model = [(True, p) for p in _paths(proposal)]
             model_s = clock() - t0

@@ -14,7 +14,7 @@ from agentspec.client.edge import CATCHUP_CHUNK, EdgeDrafting
 from agentspec.client.ops import Call, Pools, WhileDrafting
 from agentspec.drafters import ModelDrafter
 from agentspec.drafters.base import CATCHUP_MIN, DraftContext
-from tests.helpers import make_prompt
+from tests.helpers import VOCAB, make_prompt
 
 
 def _after(calls: int):
@@ -224,7 +224,8 @@ def test_a_drafters_set_up_is_not_counted_as_drafting(target):
 def test_a_round_that_drafts_nothing_still_drafts_the_next_one_ahead(target):
     """At γ = 0 (the policy judged drafting not to pay) the drafter drafts ahead while the round is in flight:
     the next round uses that draft, at no drafting cost, when its guess was the target's token; when it was
-    not, the next round drafts as it would have anyway."""
+    not, the next round drafts as it would have anyway. Not while the drafter is behind (its first pass
+    would be a prefill that cannot stop at the reply), nor where the next round could draft nothing."""
     from agentspec.client.events import SegmentStats
     from agentspec.client.run import Run
     from agentspec.router import ModePolicy
@@ -237,13 +238,19 @@ def test_a_round_that_drafts_nothing_still_drafts_the_next_one_ahead(target):
         run.prompt, run.tokens = list(tokens), list(tokens)
         seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, {}, "text")
         nothing = DraftProposal()
+        assert not edge.pipelines(run, nothing)  # a new prompt: the drafter has not read it
+        run.drafter.catch_up(tokens)
         assert edge.pipelines(run, nothing)
         edge.draft_ahead(run, seg, nothing, _after(10**6))
         guess = run.ahead[0][-1]
         assert run.ahead[0] == (*tokens, guess) and len(run.ahead[1]) == 4
-        run.tokens = [*tokens, guess if came_true else (guess + 1) % 64]  # the round's one token
+        run.tokens = [*tokens, guess if came_true else (guess + 1) % VOCAB]  # the round's one token
         _, draft_s, _, sent = edge.round(run, seg, ModePolicy())
         fresh = ModelDrafter(target).propose(DraftContext(run.tokens, len(tokens)), 4)
         assert sent.tokens == fresh.tokens
         assert seg.pipelined == int(came_true) and (draft_s == 0.0) is came_true
     assert not EdgeDrafting(4, False, None, preview=False).pipelines(run, nothing)  # pipelining off: never
+    run.drafter.catch_up(run.tokens)
+    assert edge.pipelines(run, nothing)
+    run.max_tokens = run.generated + 2  # the round's token, then one more: the next round can draft nothing
+    assert not edge.pipelines(run, nothing)

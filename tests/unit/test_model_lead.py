@@ -12,7 +12,7 @@ from agentspec.drafters.gate import ModelGate
 from agentspec.drafters.tree import TreeDrafter
 from agentspec.local import SpecEngine
 from agentspec.types import SamplingParams
-from tests.helpers import make_prompt, plain_greedy
+from tests.helpers import VOCAB, make_prompt, plain_greedy
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def test_a_lead_gives_the_models_own_chain_in_fewer_passes(target, passes, seed)
     tokens = make_prompt(seed)
     k = 6
     own = _own_chain(target, tokens, k)
-    wrong = [(t + 1) % 90 + 2 for t in own]
+    wrong = [(t + 1 - 2) % (VOCAB - 2) + 2 for t in own]  # another printable token at every position
     for lead, saved in ((own[:5], 5), (own[:2] + wrong[2:5], 2), (wrong[:4], 0), (own + own, k - 1), ([], 0)):
         drafter = ModelDrafter(target)
         drafter.propose(DraftContext(tokens[:-3], len(tokens) - 3), 2)  # a cache a few tokens behind, as in use
@@ -49,6 +49,7 @@ def test_a_lead_gives_the_models_own_chain_in_fewer_passes(target, passes, seed)
         got = list(drafter.propose(DraftContext(tokens, len(tokens)), k, lead=lead).tokens)
         assert got == own, lead
         assert passes[0] - before == k - saved
+        assert drafter._cached == [*tokens, *own[:-1]]  # as after drafting step by step: the last is fed next
         after = [*tokens, *own[:3]]  # the next round, two of the draft's tokens accepted plus a correction
         assert list(drafter.propose(DraftContext(after, len(tokens)), 4).tokens) == _own_chain(target, after, 4)
 
@@ -71,10 +72,11 @@ def test_a_lead_is_ignored_where_it_cannot_stand_for_the_models_draws(target, pa
     assert passes[0] - before == 4 and fresh.take_catchup()[0] == len(tokens)
 
 
-def test_the_tree_lets_the_model_read_the_copy_and_lead(target, passes):
+def test_the_tree_lets_the_model_read_the_copy_and_lead(target):
     """A strong copy is read by the model in its first pass; the model's chain goes first (it has seen where
     the copy parts from its picks), the copy follows where the node budget leaves room, and the gate still
-    judges the model against the copy that would have led without it."""
+    judges the model against the copy that would have led without it. A model that cannot read it (sibling
+    leaves) drafts after the copy, which leads as before."""
     tokens = make_prompt(3)  # its second half repeats its first: the copy drafter finds long matches
     copy = CopyDrafter(max_candidates=1)
     ctx = DraftContext(tokens[:30], 20)
@@ -84,11 +86,15 @@ def test_the_tree_lets_the_model_read_the_copy_and_lead(target, passes):
     assert own != copied  # a random model does not continue the repeat: the chains differ
     gate = ModelGate()
     tree = TreeDrafter(copy=copy, model=ModelDrafter(target), gate=gate)
+    assert list(tree.propose(ctx, 6).tokens) == copied  # a first pass that prefills reads no lead: the copy leads
+    tree.catch_up(tokens[:30])  # caught up (its cache holds all but the last token), as in a session's rounds
     assert list(tree.propose(ctx, 6).tokens) == own
     assert tree._drafted.others[-1] == copied and tree._drafted.model == [own]
     tree.node_budget = 6
     wide = tree.propose(DraftContext(tokens[:30], 20), 6)
     assert list(wide.tokens[:6]) == own and wide.is_tree  # the copy is a branch after the model's chain
+    siblings = TreeDrafter(copy=copy, model=ModelDrafter(target, tree_width=2))
+    assert list(siblings.propose(DraftContext(tokens[:30], 20), 6).tokens) == copied
 
 
 @pytest.mark.parametrize("drafter_is_target", [True, False])
@@ -97,8 +103,19 @@ def test_rounds_with_leads_equal_plain_greedy(target, wrong_drafter_model, draft
     rejected (a wrong model): the output is plain greedy's."""
     for seed in (3, 5):
         prompt = make_prompt(seed)
-        model = ModelDrafter(target if drafter_is_target else wrong_drafter_model)
+        model = _Reading(target if drafter_is_target else wrong_drafter_model)
         tree = TreeDrafter(copy=CopyDrafter(max_candidates=2), model=model)
         engine = SpecEngine(target, tree, num_draft_tokens=5)
         out = engine.generate(prompt, SamplingParams(max_new_tokens=40))
         assert out.tokens == plain_greedy(target, prompt, 40)
+        assert model.leads_read > 0  # the path under test ran
+
+
+class _Reading(ModelDrafter):
+    """A model drafter that counts the leads it reads."""
+
+    leads_read = 0
+
+    def _read_lead(self, logits, lead):
+        self.leads_read += 1
+        return super()._read_lead(logits, lead)
