@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Generator, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from agentspec.client.events import SegmentStats
 from agentspec.client.ops import Call, WhileDrafting
@@ -39,6 +39,17 @@ PIPELINE_MIN_DRAFT_S = 0.002
 CATCHUP_CHUNK = 128  # the most tokens per catch-up prefill (longer ones barely run faster per token)
 
 
+class EdgeRound(NamedTuple):
+    """An edge round's draft: the request body, the drafting on its critical path (seconds, and the tokens
+    drafted there: the rest were drafted while the round before was in flight), its preview, the proposal."""
+
+    body: dict[str, Any]
+    draft_s: float
+    fresh: int
+    preview: str
+    prop: DraftProposal
+
+
 class EdgeDrafting:
     """A client's edge drafting: γ's ceiling, pipelining (None: while drafting takes at least
     :data:`PIPELINE_MIN_DRAFT_S`), previews, and the generator sampled drafts draw from."""
@@ -50,6 +61,7 @@ class EdgeDrafting:
         self.num_draft_tokens, self.pipeline = num_draft_tokens, pipeline
         self.tokenizer, self.preview, self.observe_catchup = tokenizer, preview, observe_catchup
         self.round_draft_s: float | None = None  # EMA of one proposal's drafting seconds (fresh or ahead)
+        self.flight_s: float | None = None  # EMA of an edge round's wall time, when drafted ahead of
         # a server round's seconds and tokens in the last server segment: how long a catch-up chunk may take
         self.round_s: float | None = None
         self.round_tokens: float | None = None
@@ -57,11 +69,10 @@ class EdgeDrafting:
         self.last_prompt: list[int] = []  # the last session's prompt: the next one's likely prefix
         self._torch_generator: Any = None
 
-    def round(self, run: Run, seg: SegmentStats,
-              policy: ModePolicy) -> tuple[dict[str, Any], float, str, DraftProposal]:
-        """Draft for the next edge round: (request body, critical-path drafting seconds, preview, proposal);
-        the draft made ahead is used only when the committed tokens are the ones it assumed. A model
-        drafter's catch-up prefill is not drafting: it goes to ``seg.catchup_s`` and the router."""
+    def round(self, run: Run, seg: SegmentStats, policy: ModePolicy) -> EdgeRound:
+        """Draft for the next edge round; the draft made ahead is used only when the committed tokens are the
+        ones it assumed. A model drafter's catch-up prefill is not drafting: it goes to ``seg.catchup_s`` and
+        the router."""
         left = run.max_tokens - run.generated - 1  # no draft at all with one token left (γ = -1)
         ahead, run.ahead = run.ahead, None
         if ahead is not None and ahead[0] != tuple(run.tokens):
@@ -69,16 +80,20 @@ class EdgeDrafting:
         made = 0 if ahead is None else len(ahead[1]) - ahead[1].num_forced  # free drafts γ may use
         gamma = -1
         if left > 0:
-            gamma = min(policy.gamma("edge", self.num_draft_tokens, kind=run.kind, drafted=made), left)
+            gamma = min(policy.gamma("edge", self.num_draft_tokens, kind=run.kind, drafted=made,
+                                     pipelined=self._pipelining()), left)
+        fresh = 0
         if ahead is not None and gamma >= 0:
             prop, draft_s = _cut(ahead[1], 0, min(len(ahead[1]), gamma + ahead[1].num_forced)), 0.0
             seg.pipelined += 1
             if gamma > made:  # the draft ahead stopped at the reply: its drafter goes on from where it was
                 more, draft_s, _ = self._propose(run, gamma - made, run.tokens + list(prop.tokens))
+                fresh = len(more) - more.num_forced
                 if len(more) and not more.is_tree:
                     prop = _join(prop, more)
         else:
             prop, draft_s, (caught, caught_s) = self._propose(run, gamma)
+            fresh = len(prop) - prop.num_forced
             if caught:  # a prefill: the router charges it to switching to edge, not to the tokens drafted
                 seg.catchup_s += caught_s
                 policy.observe_catchup(caught, caught_s)
@@ -86,26 +101,31 @@ class EdgeDrafting:
         preview = ""
         if self.preview and self.tokenizer is not None and prop.tokens and not prop.is_tree:
             preview = self.tokenizer.decode(list(prop.tokens), skip_special_tokens=True)
-        return run.round_request(prop), draft_s, preview, prop
+        return EdgeRound(run.round_request(prop), draft_s, fresh, preview, prop)
+
+    def _pipelining(self) -> bool:
+        """Whether this client drafts rounds ahead while one is in flight (:meth:`pipelines` asks more of each
+        round: a chain proposal, room for another round): by default (``pipeline=None``) only where a round's
+        drafting is long enough to be worth hiding."""
+        if self.pipeline is not None:
+            return self.pipeline
+        return (self.round_draft_s or 0.0) >= PIPELINE_MIN_DRAFT_S
 
     def pipelines(self, run: Run, prop: DraftProposal) -> bool:
         """Whether to draft the round after this one while it is in flight. Chains only: a tree has no one
         hypothesis to draft after. The tool drafter (grammar + copy + model) drafts ahead losslessly too: its
         grammar follows whatever tokens it is given and re-follows the committed ones when a hypothesis
-        fails, copies are looked up afresh, a model drafter crops its cache. By default (``pipeline=None``)
-        only where a round's drafting is long enough to be worth hiding. A round the policy drafts nothing
-        for (γ = 0) drafts ahead too: the drafter would only wait for its reply, and a guess that comes true
+        fails, copies are looked up afresh, a model drafter crops its cache. Only while :meth:`_pipelining`.
+        A round the policy drafts nothing for (γ = 0) drafts ahead too: the drafter would only wait for its reply, and a guess that comes true
         gives the next round a draft that cost nothing. Without it, a drafter the policy judged not to pay
         (say on an answer's first, hard tokens) would sit out every round until the next probe. Not while
         the drafter is behind, though: no proposal has caught it up, and a first pass that prefills could
         not stop when the reply is in."""
-        worth = self.pipeline
-        if worth is None:
-            worth = (self.round_draft_s or 0.0) >= PIPELINE_MIN_DRAFT_S
         if not len(prop) and catchup_tokens(run.drafter, run.tokens):
             return False  # no round has caught the drafter up: its draft ahead would start with a whole prefill
         # the next round's γ must be able to use a draft after the guess: a token left after both
-        return bool(worth and not prop.is_tree and run.max_tokens - run.generated - len(prop) - 3 >= 0)
+        return (self._pipelining() and not prop.is_tree
+                and run.max_tokens - run.generated - len(prop) - 3 >= 0)
 
     def catches_up(self, run: Run, opening: bool = False) -> bool:
         """Whether a request of ``run`` in flight should let the local drafter catch up meanwhile: in auto
@@ -235,11 +255,31 @@ class EdgeDrafting:
         left = run.max_tokens - run.generated - len(prop) - 2  # what the next round may draft
         hypothesis = run.tokens + list(prop.tokens)
         nxt, seconds, (_, caught_s) = self._propose(run, 1 + min(self.num_draft_tokens, left), hypothesis,
-                                                    arrived)
+                                                    self._before_reply(arrived))
         if len(nxt) > 1 and not nxt.is_tree:  # the guess, and a draft after it
             run.ahead = ((*hypothesis, nxt.tokens[0]), _cut(nxt, 1, len(nxt)))
         seg.draft_ahead_s += seconds + caught_s  # a catch-up here overlapped the round trip too
         return seconds + caught_s
+
+    def landed(self, wall_s: float) -> None:
+        """A round drafted ahead of came back after ``wall_s``: how long the next one is likely in flight."""
+        self.flight_s = ema(self.flight_s, wall_s, 0.3)
+
+    def _before_reply(self, arrived: Callable[[], bool]) -> Callable[[], bool]:
+        """A draft ahead's stop: the reply is in, or the next drafting step would end after the reply is
+        expected (:meth:`landed`). A step under way when the reply comes delays the next round by what is left
+        of it, half a step on average, for one more token that is drafted last, so kept least often."""
+        if self.flight_s is None:
+            return arrived
+        deadline = time.perf_counter() + self.flight_s
+        last = [time.perf_counter()]
+
+        def stop() -> bool:  # asked between steps: the time since it was last asked is a step's
+            now = time.perf_counter()
+            step, last[0] = now - last[0], now
+            return arrived() or now + step > deadline
+
+        return stop
 
     def _propose(self, run: Run, gamma: int, tokens: list[int] | None = None, stop: Callable[[], bool] | None = None
                  ) -> tuple[DraftProposal, float, tuple[int, float]]:

@@ -229,7 +229,7 @@ class SpecClient:
         limit = self._segment_tokens(seg)
         try:
             while run.finish is None and seg.tokens < limit:
-                body, draft_s, preview, prop = yield Call(edge.round, None, (run, seg, self.policy))
+                body, draft_s, fresh, preview, prop = yield Call(edge.round, None, (run, seg, self.policy))
                 if preview:
                     yield PreviewEvent(preview)
                 post = Call(t.post, t.apost, (f"/v1/spec/sessions/{run.sid}/rounds", body))
@@ -237,9 +237,10 @@ class SpecClient:
                     r, ahead_s = yield WhileDrafting(post, Call(edge.draft_ahead, None, (run, seg, prop)),
                                                       until_reply=True)
                     draft_s += max(ahead_s - r.wall_s, 0.0)  # the reply waited for the draft ahead
+                    edge.landed(r.wall_s)
                 else:
                     r = yield post
-                yield from self._commit(run, seg, r, draft_s)
+                yield from self._commit(run, seg, r, draft_s, fresh)
         finally:  # a segment cut short by a failing verifier still reports the tokens it committed
             self._segment_done(run, seg, t0)
 
@@ -270,7 +271,7 @@ class SpecClient:
         return SegmentStats(mode, 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions), run.kind,
                             probe=run.mode == "auto" and self.policy.probing == mode)
 
-    def _commit(self, run: Run, seg: SegmentStats, timed: Timed, draft_s: float) -> list[Any]:
+    def _commit(self, run: Run, seg: SegmentStats, timed: Timed, draft_s: float, fresh: int = 0) -> list[Any]:
         """Count a round's reply, tell the router, commit its tokens; return the events they make final."""
         reply = RoundReply.model_validate(timed.body)
         server_s = (reply.timings.verify_ms + reply.timings.draft_ms) / 1e3
@@ -282,7 +283,7 @@ class SpecClient:
         seg.draft_s += draft_s
         self.policy.observe_round(seg.mode, reply.drafted, reply.accepted, len(reply.tokens), wall_s=timed.wall_s,
                                   server_s=server_s, verify_s=reply.timings.verify_ms / 1e3, draft_s=draft_s,
-                                  waiting=reply.load.waiting, kind=run.kind)
+                                  waiting=reply.load.waiting, kind=run.kind, fresh=fresh)
         return run.apply(reply)
 
     def _segment_done(self, run: Run, seg: SegmentStats, t0: float) -> None:

@@ -21,11 +21,18 @@ class DraftLengthPolicy:
     ``min_probe`` tokens so the estimates can recover. Acceptance is also kept per content ``kind``
     (``"tool"`` JSON drafts are taken far more often than ``"text"`` ones): once a kind has
     ``min_kind_rounds`` rounds its own estimate replaces the pooled one.
+
+    Where the round after this one is drafted while this one is in flight (``pipelined``), a fresh round's
+    γ is weighed over the rounds that follow, not its own rate alone (:meth:`_pipelined_rate`): its
+    drafting is on the critical path, and only when all of it is taken (and the guess of the target's
+    next token is right) does the next round find its draft ready. A short fresh draft pays less and gets
+    there more often.
     """
 
     costs: CostCurve = field(default_factory=CostCurve)
     acceptance: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
-    draft_seconds_per_token: float = 0.0
+    draft_seconds_per_token: float = 0.0  # critical-path drafting per drafted token, rounds drafted ahead too
+    fresh_seconds_per_token: float = 0.0  # per token drafted on the critical path: what one more costs
     probe_every: int = 16
     min_probe: int = 1
     min_kind_rounds: int = 4
@@ -44,20 +51,27 @@ class DraftLengthPolicy:
         prior = {n - 1: s for n, s in seconds_by_pass_len.items() if n >= 1}
         return cls(costs=CostCurve(prior=prior), **kwargs)  # type: ignore[arg-type]
 
-    def choose(self, gamma_max: int, kind: str = "text", drafted: int = 0, at_least: int = 0) -> int:
+    def choose(self, gamma_max: int, kind: str = "text", drafted: int = 0, at_least: int = 0,
+               pipelined: bool = False) -> int:
         """γ for the next round, in ``[0, gamma_max]``; ``kind``: the content kind the round drafts;
         ``drafted``: tokens of its draft already made (while the round before was in flight), which cost only
         verification. Charging that sunk drafting would turn a pipelined drafter off for good: at γ = 0
         nothing is drafted ahead, so its hidden cost is never seen. ``at_least``: the smallest γ to weigh
-        (1 while the mode policy probes edge mode: a probe at γ = 0 would measure plain steps, not drafting)."""
+        (1 while the mode policy probes edge mode: a probe at γ = 0 would measure plain steps, not drafting).
+        ``pipelined``: the round after this one will be drafted while this one is in flight."""
         if gamma_max <= 0:
             return 0
         if self.costs.seconds(0) is None:
             return gamma_max  # nothing measured yet: draft fully, observe, then adapt
         self.last_rates = {}
         acceptance = self.current_acceptance(kind)
+        t_d = self.fresh_seconds_per_token or self.draft_seconds_per_token
+        ahead = self._ahead(gamma_max, t_d) if pipelined and not drafted else None
         for gamma in range(min(at_least, gamma_max), gamma_max + 1):
-            t = max(gamma - drafted, 0) * self.draft_seconds_per_token + (self.costs.seconds(gamma) or 0.0)
+            if ahead is not None:
+                self.last_rates[gamma] = self._pipelined_rate(acceptance, gamma, ahead, t_d)
+                continue
+            t = max(gamma - drafted, 0) * t_d + (self.costs.seconds(gamma) or 0.0)
             self.last_rates[gamma] = acceptance.expected_tokens(gamma) / t if t > 0 else 0.0
         best = max(self.last_rates, key=lambda g: (self.last_rates[g], -g))
         self._zero_streak = self._zero_streak + 1 if best == 0 else 0
@@ -66,10 +80,41 @@ class DraftLengthPolicy:
             return min(self.min_probe, gamma_max)
         return best
 
+    def _ahead(self, gamma_max: int, t_d: float) -> int | None:
+        """Draft tokens a round's flight leaves ready for the next one: drafting ahead makes the guess of the
+        target's next token first, then the draft after it, until the reply is in (None: not measured)."""
+        wall = self.costs.seconds(gamma_max)
+        if wall is None or t_d <= 0:
+            return None
+        return min(gamma_max, max(int(wall / t_d) - 1, 0))
+
+    def _pipelined_rate(self, acceptance: AcceptanceEstimator, gamma: int, ahead: int, t_d: float) -> float:
+        """Tokens per second of rounds alternating, as a two-state Markov chain, between fresh rounds of
+        ``gamma`` (drafted on the critical path) and rounds whose ``ahead`` tokens were drafted in flight. A
+        round leads to a ready one when all its draft and the guess after it are the target's tokens
+        (``Π c_i`` over its draft and one more position); else the next round drafts afresh."""
+        cond = acceptance.conditional(max(gamma, ahead) + 1)
+
+        def carried(n: int) -> float:
+            p = 1.0
+            for c in cond[: n + 1]:
+                p *= c
+            return p
+
+        fresh_s = gamma * t_d + (self.costs.seconds(gamma) or 0.0)
+        ready_s = self.costs.seconds(ahead) or 0.0
+        to_ready, stay_ready = carried(gamma), carried(ahead)
+        share = 1.0 if to_ready + (1 - stay_ready) <= 0 else (1 - stay_ready) / (1 - stay_ready + to_ready)
+        tokens = share * acceptance.expected_tokens(gamma) + (1 - share) * acceptance.expected_tokens(ahead)
+        seconds = share * fresh_s + (1 - share) * ready_s
+        return tokens / seconds if seconds > 0 else 0.0
+
     def observe(self, drafted: int, reached: int, accepted: int, verify_s: float | None,
-                draft_s: float | None = None, pass_tokens: int | None = None, kind: str = "text") -> None:
+                draft_s: float | None = None, pass_tokens: int | None = None, kind: str = "text",
+                fresh: int | None = None) -> None:
         """Feed back one round: ``verify_s`` only for decode-time passes (not prefill); ``draft_s`` the
-        drafting on the round's critical path (0 for a draft made while the round before was in flight).
+        drafting on the round's critical path (0 for a draft made while the round before was in flight);
+        ``fresh`` the tokens drafted there (default: all ``drafted`` when ``draft_s`` is not 0, else none).
 
         Counts are of the tokens the policy chose (not grammar-forced ones); ``pass_tokens`` is the draft's
         full size when forced tokens rode along (default ``drafted``)."""
@@ -82,3 +127,6 @@ class DraftLengthPolicy:
             own.observe(reached, accepted)
         if drafted and draft_s is not None:
             self.draft_seconds_per_token = ema(self.draft_seconds_per_token or None, draft_s / drafted, 0.2)
+            fresh = (drafted if draft_s > 0 else 0) if fresh is None else min(fresh, drafted)
+            if fresh > 0:
+                self.fresh_seconds_per_token = ema(self.fresh_seconds_per_token or None, draft_s / fresh, 0.2)

@@ -79,7 +79,8 @@ class ModePolicy:
     since a warm-up is due in prose), backing off (doubling, up to ``max_probe_every``) per kind while
     probes in it lose by more than ``probe_margin`` to what the incumbent measured in that kind (its
     prediction until it has); a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger
-    ``hysteresis`` cheaper. A saturated server makes server-side drafting cost ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
+    ``hysteresis`` cheaper. A saturated server makes server-side drafting cost
+    ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
     """
 
     config: ModeConfig = field(default_factory=ModeConfig)
@@ -202,14 +203,16 @@ class ModePolicy:
                                        segment_tokens)
         return None
 
-    def gamma(self, mode: str, gamma_max: int, kind: str = "text", drafted: int = 0) -> int:
+    def gamma(self, mode: str, gamma_max: int, kind: str = "text", drafted: int = 0, pipelined: bool = False) -> int:
         """Draft length for the next edge round (``kind``: the content kind it drafts; ``drafted``: tokens of
-        its draft made ahead, see :meth:`DraftLengthPolicy.choose`). An edge probe drafts: where the draft
-        length policy turned drafting off (from a few rounds, say a warm-up's), a probe at γ = 0 would only
-        measure plain steps through edge mode, and edge would never be seen to pay."""
+        its draft made ahead; ``pipelined``: the round after it is drafted while it is in flight; see
+        :meth:`DraftLengthPolicy.choose`). An edge probe drafts: where the draft length policy turned
+        drafting off (from a few rounds, say a warm-up's), a probe at γ = 0 would only measure plain steps
+        through edge mode, and edge would never be seen to pay."""
         if mode != "edge":
             return gamma_max
-        return self.edge.choose(gamma_max, kind, drafted, at_least=1 if self.probing == "edge" else 0)
+        return self.edge.choose(gamma_max, kind, drafted, at_least=1 if self.probing == "edge" else 0,
+                                pipelined=pipelined)
 
     def observe_catchup(self, tokens: int, seconds: float) -> None:
         """A catch-up prefill of the local model drafter: ``tokens`` fed at once in ``seconds``."""
@@ -222,9 +225,10 @@ class ModePolicy:
 
     def observe_round(self, mode: str, drafted: int, accepted: int, emitted: int, *, wall_s: float,
                       server_s: float, verify_s: float, draft_s: float, waiting: int | None = None,
-                      kind: str = "text") -> None:
+                      kind: str = "text", fresh: int | None = None) -> None:
         """One round's reply as the client saw it; ``wall_s`` is the request's wall time (drafting excluded),
-        ``waiting`` the server's queue when it reported its load, ``kind`` what the round drafted."""
+        ``waiting`` the server's queue when it reported its load, ``kind`` what the round drafted, ``fresh``
+        the tokens drafted on its critical path (in ``draft_s``; the rest were drafted ahead)."""
         if waiting is not None:
             self.server_waiting = int(waiting)
         if verify_s > 0:
@@ -237,7 +241,7 @@ class ModePolicy:
             self.rtt = ema(self.rtt, max(wall_s - server_s, 0.0), self.config.ema)
             self._rtt_open_at_edge = self.rtt_open
             reached = min(drafted, accepted + 1)
-            self.edge.observe(drafted, reached, accepted, max(wall_s, 1e-6), draft_s, kind=kind)
+            self.edge.observe(drafted, reached, accepted, max(wall_s, 1e-6), draft_s, kind=kind, fresh=fresh)
 
     def _observe_round_counts(self, mode: str, kind: str, tokens: int, drafted: int) -> None:
         """(E[A], γ̄) of ``mode``, in all and in ``kind``: decayed sums of tokens, drafts and rounds (a ratio

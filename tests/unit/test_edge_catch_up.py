@@ -194,7 +194,7 @@ def test_a_draft_ahead_cut_short_is_drafted_on_to_the_rounds_length(target):
     edge.draft_ahead(run, seg, prop, _after(1))  # the guess and one draft
     assert len(run.ahead[1]) == 1
     run.tokens = list(run.ahead[0])  # the hypothesis held
-    _, _, _, sent = edge.round(run, seg, ModePolicy())  # nothing measured: γ = 6
+    sent = edge.round(run, seg, ModePolicy()).prop  # nothing measured: γ = 6
     fresh = ModelDrafter(target).propose(DraftContext(run.tokens, len(tokens)), 6)
     assert seg.pipelined == 1 and sent.tokens == fresh.tokens and len(sent) == 6
 
@@ -245,7 +245,7 @@ def test_a_round_that_drafts_nothing_still_drafts_the_next_one_ahead(target):
         guess = run.ahead[0][-1]
         assert run.ahead[0] == (*tokens, guess) and len(run.ahead[1]) == 4
         run.tokens = [*tokens, guess if came_true else (guess + 1) % VOCAB]  # the round's one token
-        _, draft_s, _, sent = edge.round(run, seg, ModePolicy())
+        _, draft_s, _, _, sent = edge.round(run, seg, ModePolicy())
         fresh = ModelDrafter(target).propose(DraftContext(run.tokens, len(tokens)), 4)
         assert sent.tokens == fresh.tokens
         assert seg.pipelined == int(came_true) and (draft_s == 0.0) is came_true
