@@ -79,7 +79,8 @@ class ModePolicy:
     since a warm-up is due in prose), backing off (doubling, up to ``max_probe_every``) per kind while
     probes in it lose by more than ``probe_margin`` to what the incumbent measured in that kind (its
     prediction until it has); a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger
-    ``hysteresis`` cheaper. A saturated server makes server-side drafting cost
+    ``hysteresis`` cheaper, and runs as a probe first where the challenger's estimate in the kind is older
+    than the incumbent's (:meth:`_on_older_text`). A saturated server makes server-side drafting cost
     ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
     """
 
@@ -149,9 +150,21 @@ class ModePolicy:
             pick = min(modes, key=predicted.__getitem__)
             if self.current in predicted and predicted[pick] > (1 - c.hysteresis) * predicted[self.current]:
                 pick = self.current
-            self.current = pick
+            if self._on_older_text(pick, kind):
+                self.probing = pick  # a trial: the incumbent stays current until the challenger's rounds agree
+            else:
+                self.current = pick
         self.last_used[(pick, kind)] = self.segments
         return pick
+
+    def _on_older_text(self, pick: str, kind: str) -> bool:
+        """Whether switching to ``pick`` would rest on older text than staying: ``pick`` is judged by its own
+        runs and last ran in ``kind`` before the incumbent did. Text within a kind differs (a call's short
+        ids against a call that writes a file's code), so such a switch runs as a probe-length trial first."""
+        current = self.current
+        if current is None or pick == current or not self._needs_probes(pick, kind):
+            return False
+        return self.last_used.get((pick, kind), -1) < self.last_used.get((current, kind), -1)
 
     def _probe_after(self, mode: str, kind: str, catchup_tokens: int) -> int:
         """Segments since ``mode`` last ran before it is probed again. An edge probe waits up to one more

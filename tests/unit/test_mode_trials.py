@@ -1,0 +1,52 @@
+"""The mode policy's trials: a switch that rests on older text than staying runs as a probe first.
+
+The agent benchmark's shape: server mode copied an earlier call's short ids well; edge drafted the last call
+and the prose since. A call that writes a file's code is "tool" text too, but server mode copies none of it:
+switching to it for a whole segment on the older call's estimate lost, where a probe-length trial loses
+little and its rounds correct the estimate.
+"""
+
+from __future__ import annotations
+
+from agentspec import router
+from tests.unit.test_router import _agent_policy, _rounds
+
+
+def _edge_after_server_in_tool_calls() -> router.ModePolicy:
+    """Server ran a tool call (4 tokens a pass), then edge ran a later one (3 a round, slower than server's)
+    and then prose: edge is current, its tool estimate newer, server's cheaper."""
+    policy = _agent_policy()
+    for mode, kind, rounds in (("server-ar", "text", [("text", 1, 0, 0.0)] * 8),
+                               ("server", "tool", [("tool", 4, 6, 0.0)] * 8),
+                               ("edge", "tool", [("tool", 3, 6, 0.05)] * 6),
+                               ("edge", "text", [("text", 3, 4, 0.05)] * 10)):
+        policy.current = mode
+        policy.last_used[(mode, kind)] = policy.segments = policy.segments + 1
+        _rounds(policy, mode, rounds, seg_kind=kind)
+    assert policy.predicted("server", "tool") < 0.9 * policy.predicted("edge", "tool")
+    return policy
+
+
+def test_a_switch_on_an_older_estimate_runs_as_a_trial_and_reverts_when_it_loses():
+    policy = _edge_after_server_in_tool_calls()
+    assert policy.choose(kind="tool") == "server"
+    assert policy.probing == "server" and policy.current == "edge"  # a trial: probe-length, edge stays current
+    _rounds(policy, "server", [("tool", 1, 6, 0.0)] * 6, seg_kind="tool")  # this call's code: no copies
+    assert policy.choose(kind="tool") == "edge"
+    assert policy.probing is None and policy.current == "edge"
+
+
+def test_a_trial_that_holds_up_becomes_a_switch():
+    policy = _edge_after_server_in_tool_calls()
+    assert policy.choose(kind="tool") == "server" and policy.probing == "server"
+    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
+    assert policy.choose(kind="tool") == "server"
+    assert policy.probing is None and policy.current == "server"
+
+
+def test_a_switch_on_a_newer_estimate_is_immediate():
+    """Where the challenger ran in the kind after the incumbent did, its estimate is the newer: no trial."""
+    policy = _edge_after_server_in_tool_calls()
+    policy.last_used[("server", "tool")] = policy.segments
+    assert policy.choose(kind="tool") == "server"
+    assert policy.probing is None and policy.current == "server"
