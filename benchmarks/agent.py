@@ -256,6 +256,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
                     help="the local drafter auto may switch to edge with")
     ap.add_argument("--methods", default="", help="comma-separated subset of the methods (plain always runs: the "
                     "reference)")
+    ap.add_argument("--int4-draft-vocab", type=int, default=64000,
+                    help="output rows the int4 0.5B drafts from: the tokenizer's added tokens and the lowest ids "
+                    "(models.lowest_ids_vocab; 0: the whole vocabulary)")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 lossless check")
     ap.add_argument("--no-completion", action="store_true", help="skip the 0.5B's own task runs (tasks_correct)")
     ap.add_argument("--cold-agent-prefix", action="store_true",
@@ -263,6 +266,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/agent")
     args = ap.parse_args(argv)
+    if args.int4_draft_vocab < 0:
+        ap.error(f"--int4-draft-vocab takes a number of rows >= 0 (0: all), got {args.int4_draft_vocab}")
     for key, (where, how) in MADE.items():
         if getattr(args, f"{key}_drafter") == "auto":  # a fresh clone has none: run without it rather than fail
             setattr(args, f"{key}_drafter", where if Path(where, "config.json").is_file() else "none")
@@ -314,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     drafters = {"0.5b": models.load_model(DRAFTER, device="cpu", dtype="bfloat16")}
     drafter = drafters["0.5b"]
     if "edge_0.5b_int4" in methods or ("auto" in methods and args.auto_drafter == "0.5b_int4"):
-        drafters["0.5b_int4"] = models.load_model(DRAFTER, device="cpu", dtype="bfloat16", quantize="int4")
+        drafters["0.5b_int4"] = models.load_model(DRAFTER, device="cpu", dtype="bfloat16", quantize="int4",
+                                                  draft_vocab=args.int4_draft_vocab or None)
     for key in local_drafters(methods, args, client=True):
         drafters[key] = models.load_model(getattr(args, f"{key}_drafter"), device="cpu", dtype="bfloat16")
     keys = [a for tag in ("bf16", "fp32", "small") for m in methods for r in rtts for a in ("--api-key",
@@ -450,6 +456,7 @@ def setup(args: Any, tasks: tuple[Task, ...], methods: tuple[str, ...]) -> dict[
                       "server_0.5b_int4: one with its draft model)",
             "client": "core 0, 1 thread: the LangGraph agent and the 0.5B drafters (bf16; edge_0.5b_int4: int4 "
                       "weight-only linears, bf16 activations)",
+            "int4_draft_vocab": args.int4_draft_vocab or "all",
             "rtt": "DelayProxy on loopback, half the RTT each way", "machine": common.machine_info()}
 
 

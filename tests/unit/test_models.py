@@ -80,6 +80,32 @@ def test_reduced_output_vocabulary_loads_from_the_directory(tmp_path):
             models.restrict_output_vocab(copy.deepcopy(lm.model), bad)
 
 
+def test_a_reduced_vocabulary_of_the_lowest_ids_is_cut_before_packing_or_quantising(tmp_path):
+    """``draft_vocab=N``: the added tokens (here <s> 0 and </s> 1) and the lowest ids, N rows in all; the
+    head is cut first, so a packed or quantised head has N rows and gives the full head's logits there."""
+    lm = tiny_model(seed=3)
+    lm.model.save_pretrained(tmp_path)
+    lm.tokenizer.save_pretrained(tmp_path)
+    assert models.lowest_ids_vocab(lm.tokenizer, 20, 97) == list(range(20))
+    assert models.lowest_ids_vocab(lm.tokenizer, 500, 97) == list(range(97))
+    with torch.inference_mode():
+        full = lm.model.cpu()(torch.tensor([[5, 6, 7]])).logits[0, -1]
+    for kwargs, atol in (({"pack_linears": False}, 1e-5), ({}, 1e-4), ({"quantize": "int8"}, 0.05)):
+        small = models.load_model(str(tmp_path), device="cpu", dtype="float32", draft_vocab=20, **kwargs).model
+        head = small.get_output_embeddings()
+        assert getattr(head, "out_features", None) == 20 and small.agentspec_token_map.tolist() == list(range(20))
+        with torch.inference_mode():
+            got = small(torch.tensor([[5, 6, 7]])).logits[0, -1]
+        torch.testing.assert_close(got, full[:20], rtol=0, atol=atol)
+    with pytest.raises(ValueError, match="draft_vocab must be >= 1"):
+        models.load_model(str(tmp_path), device="cpu", draft_vocab=0)
+    with pytest.raises(ValueError, match="added tokens"):
+        models.lowest_ids_vocab(lm.tokenizer, 1, 97)
+    (tmp_path / models.DRAFT_VOCAB_FILE).write_text("[1, 5, 9]")
+    with pytest.raises(ValueError, match="its own reduced vocabulary"):
+        models.load_model(str(tmp_path), device="cpu", draft_vocab=20)
+
+
 def test_packed_linears_keep_the_weights_and_are_batch_invariant():
     lm = tiny_model(seed=4)
     packed = copy.deepcopy(lm.model)
