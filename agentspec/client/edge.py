@@ -116,11 +116,11 @@ class EdgeDrafting:
         hypothesis to draft after. The tool drafter (grammar + copy + model) drafts ahead losslessly too: its
         grammar follows whatever tokens it is given and re-follows the committed ones when a hypothesis
         fails, copies are looked up afresh, a model drafter crops its cache. Only while :meth:`_pipelining`.
-        A round the policy drafts nothing for (γ = 0) drafts ahead too: the drafter would only wait for its reply, and a guess that comes true
-        gives the next round a draft that cost nothing. Without it, a drafter the policy judged not to pay
-        (say on an answer's first, hard tokens) would sit out every round until the next probe. Not while
-        the drafter is behind, though: no proposal has caught it up, and a first pass that prefills could
-        not stop when the reply is in."""
+        A round the policy drafts nothing for (γ = 0) drafts ahead too: the drafter would only wait for its
+        reply, and a guess that comes true gives the next round a draft that cost nothing. Without it, a
+        drafter the policy judged not to pay (say on an answer's first, hard tokens) would sit out every round
+        until the next probe. Not while the drafter is behind, though: no proposal has caught it up, and a
+        first pass that prefills could not stop when the reply is in."""
         if not len(prop) and catchup_tokens(run.drafter, run.tokens):
             return False  # no round has caught the drafter up: its draft ahead would start with a whole prefill
         # the next round's γ must be able to use a draft after the guess: a token left after both
