@@ -11,6 +11,7 @@ import os
 import torch
 
 from agentspec.models import LoadedModel
+from agentspec.models.attention import use_agentspec_attention
 
 VOCAB = 97  # the char tokenizer's size: <s>, </s>, printable ASCII
 EOS = 1
@@ -59,6 +60,8 @@ def tiny_model(seed: int, layers: int = 2, dtype: torch.dtype = torch.float32, v
         model.lm_head.weight.mul_(8.0)
     device = device_under_test()
     model.to(device).eval()
+    if device.type == "cpu":  # as models.load_model runs CPU inference models
+        use_agentspec_attention(model)
     return LoadedModel(model, char_tokenizer(), f"tiny-{seed}", device, dtype)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from agentspec.equivalence import first_divergence, judge_divergence
+from agentspec.models.attention import attention_name
 from agentspec.models.loading import LoadedModel
 
 __all__ = ["cache_length", "cache_nbytes", "check_divergence", "copy_cache_prefix", "crop_cache", "forward",
@@ -202,7 +203,7 @@ def forward_batch(model: Any, caches: Sequence[Any], inputs: Sequence[list[int]]
     placeholder = torch.zeros(1, 1, 1, 1, dtype=masks[0].dtype, device=device)  # a 4D mask is used as given
     config = model.config
     saved = config._attn_implementation
-    config._attn_implementation = _packed_attention_name()
+    config._attn_implementation = attention_name()
     try:
         out = model(input_ids=ids, **{cache_kwarg(type(model)): _packed_cache_class()(model, rows)},
                     use_cache=True, attention_mask=placeholder, position_ids=pos, logits_to_keep=ids.shape[1],
@@ -245,31 +246,3 @@ def _packed_cache_class() -> type:
             return 0
 
     return PackedCache
-
-
-@functools.cache
-def _packed_attention_name() -> str:
-    """Register (once) the attention function a packed pass runs under; unpacked calls go to SDPA.
-
-    Lazy (the first :func:`forward_batch`), not at import: importing agentspec changes no other library."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def packed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, scaling: float | None = None,
-                         agentspec_rows: _PackedRows | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        if agentspec_rows is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        outs, start = [], 0
-        full = agentspec_rows.full[module.layer_idx]
-        gqa = query.shape[1] != full[0][0].shape[1]
-        for (k, v), size, mask in zip(full, agentspec_rows.sizes, agentspec_rows.masks, strict=True):
-            # SDPA's own grouped-query support: no repeated copy of every cached key and value
-            outs.append(torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, start : start + size], k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa))
-            start += size
-        return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
-
-    name = "agentspec_packed"
-    AttentionInterface.register(name, packed_attention)
-    return name

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from agentspec.models.attention import use_agentspec_attention
 from agentspec.models.cpu_kernels import is_packed, pack_cpu_linears, release_freed_memory
 from agentspec.models.quant import DENSE_ROWS, QUANT_SCHEMES, quantize_linears
 from agentspec.models.vocab import lowest_ids_vocab, restrict_output_vocab, vocab_size
@@ -257,6 +258,8 @@ def load_model(source: str, *, device: str | torch.device = "auto", dtype: str |
         quantize_linears(model, quantize, dense_rows=quantize_dense_rows)
     elif pack_linears:
         pack_cpu_linears(model)
+    if (quantize is not None or pack_linears) and model.config._attn_implementation == "sdpa":
+        use_agentspec_attention(model)  # CPU inference: multi-token passes read the KV heads in place
     return LoadedModel(model=model, tokenizer=tokenizer, name=source, device=dev, dtype=dt)
 
 
