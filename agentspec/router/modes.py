@@ -80,8 +80,8 @@ class ModePolicy:
     probes in it lose by more than ``probe_margin`` to what the incumbent measured in that kind (its
     prediction until it has); a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger
     ``hysteresis`` cheaper, and runs as a probe first where the challenger's estimate in the kind is older
-    than the incumbent's (:meth:`_on_older_text`). A saturated server makes server-side drafting cost
-    ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
+    than the incumbent's or rests on one probe alone (:meth:`_on_older_text`). A saturated server makes
+    server-side drafting cost ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
     """
 
     config: ModeConfig = field(default_factory=ModeConfig)
@@ -94,6 +94,8 @@ class ModePolicy:
     server_waiting: int = 0
     probe_interval: dict[tuple[str, str], int] = field(default_factory=dict)  # (mode, kind); backs off on losses
     probing: str | None = None  # the mode of the segment in flight, when it is a probe
+    scheduled: bool = False  # the segment in flight is a probe that was due (not a trial of a switch)
+    lone_probe: dict[tuple[str, str], bool] = field(default_factory=dict)  # (mode, kind): its last run a probe
     last_probe: int = 0
     server_costs: LinearCost = field(default_factory=LinearCost)  # server-reported t_v(γ), fitted
     # mode -> (E[A], γ̄): from round_sums for the modes whose rounds are reported, else an EMA per segment/replay
@@ -140,12 +142,12 @@ class ModePolicy:
                and self.segments - self.last_used.get((m, kind), 0) >= self._probe_after(m, kind, catchup_tokens)]
         if self.segments - self.last_probe < c.probe_every:
             due = []  # at most one probe every probe_every segments, whatever the number of modes
-        self.probing = None
+        self.probing, self.scheduled = None, False
         if untried:
             pick = untried[0]
         elif due and self.current is not None:
             pick = self.probing = min(due, key=lambda m: self.last_used.get((m, kind), -1))
-            self.last_probe = self.segments
+            self.last_probe, self.scheduled = self.segments, True
         else:
             pick = min(modes, key=predicted.__getitem__)
             if self.current in predicted and predicted[pick] > (1 - c.hysteresis) * predicted[self.current]:
@@ -158,12 +160,16 @@ class ModePolicy:
         return pick
 
     def _on_older_text(self, pick: str, kind: str) -> bool:
-        """Whether switching to ``pick`` would rest on older text than staying: ``pick`` is judged by its own
-        runs and last ran in ``kind`` before the incumbent did. Text within a kind differs (a call's short
-        ids against a call that writes a file's code), so such a switch runs as a probe-length trial first."""
+        """Whether switching to ``pick`` would rest on too little or too old text: ``pick`` is judged by its
+        own runs and either last ran in ``kind`` before the incumbent did, or its newest run there was one
+        probe-length segment (a probe's few tokens may all have been a copyable stretch: an id, a repeated
+        line). Text within a kind differs (a call's short ids against a call that writes a file's code), so
+        such a switch runs as a probe-length trial first, whose rounds decide."""
         current = self.current
         if current is None or pick == current or not self._needs_probes(pick, kind):
             return False
+        if self.lone_probe.get((pick, kind), False):
+            return True
         return self.last_used.get((pick, kind), -1) < self.last_used.get((current, kind), -1)
 
     def _probe_after(self, mode: str, kind: str, catchup_tokens: int) -> int:
@@ -311,6 +317,7 @@ class ModePolicy:
             interval = self.probe_interval.get((mode, k), c.probe_every)
             worse = seconds_per_token > (1 + c.probe_margin) * incumbent
             self.probe_interval[(mode, k)] = min(2 * interval, c.max_probe_every) if worse else c.probe_every
+        self.lone_probe[(mode, k)] = mode == self.probing and self.scheduled
         self.probing = None
         self.seconds_per_token[mode] = ema(self.seconds_per_token.get(mode), seconds_per_token, c.ema)
         self.measured_kind[(mode, k)] = ema(self.measured_kind.get((mode, k)), seconds_per_token, c.ema)

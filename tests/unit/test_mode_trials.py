@@ -50,3 +50,27 @@ def test_a_switch_on_a_newer_estimate_is_immediate():
     policy.last_used[("server", "tool")] = policy.segments
     assert policy.choose(kind="tool") == "server"
     assert policy.probing is None and policy.current == "server"
+
+
+def test_a_switch_on_one_winning_probe_runs_as_a_trial_first():
+    """The agent benchmark's fix_mean: a server probe in prose ran over a copyable stretch and won; switching
+    on it for a whole segment then ran 32 prose tokens at a token a round. One probe's few tokens decide a
+    trial only: a trial's win, or a whole segment, makes the switch."""
+    policy = _agent_policy()
+    for mode, rounds in (("server-ar", [("text", 1, 0, 0.0)] * 8), ("server", [("text", 1, 6, 0.0)] * 6),
+                         ("edge", [("text", 3, 4, 0.05)] * 10)):
+        policy.current = mode
+        policy.last_used[(mode, "text")] = policy.segments = policy.segments + 1
+        _rounds(policy, mode, rounds, seg_kind="text")
+    policy.segments += policy.config.probe_every
+    assert policy.choose(kind="text") == "server" and policy.probing == "server"  # a probe, due
+    _rounds(policy, "server", [("text", 7, 6, 0.0)] * 3, seg_kind="text")  # a stretch it copies: it wins
+    assert policy.predicted("server", "text") < 0.9 * policy.predicted("edge", "text")
+    assert policy.choose(kind="text") == "server"
+    assert policy.probing == "server" and policy.current == "edge"  # a trial, not yet a switch
+    _rounds(policy, "server", [("text", 7, 6, 0.0)] * 2, seg_kind="text")  # it wins again
+    assert policy.choose(kind="text") == "server"
+    assert policy.probing is None and policy.current == "server"
+    _rounds(policy, "server", [("text", 7, 6, 0.0)] * 4, seg_kind="text")  # a whole segment: no trial after it
+    policy.current = "edge"
+    assert policy.choose(kind="text") == "server" and policy.current == "server"
