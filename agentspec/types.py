@@ -139,6 +139,50 @@ class DraftProposal:
         probs = self.draft_probs[:n] if self.draft_probs is not None else None
         return DraftProposal(self.tokens[:n], parents, probs, self.source, min(self.num_forced, n))
 
+    def spine(self) -> list[int]:
+        """The nodes of the main path: the first root, then each node's first child (a chain drafter's own
+        picks, its siblings after them; a merged tree's first candidate). A chain is all spine."""
+        if self.parents is None:
+            return list(range(len(self.tokens)))
+        first: dict[int, int] = {}
+        for i, p in enumerate(self.parents):
+            first.setdefault(p, i)
+        nodes, node = [], first.get(-1)
+        while node is not None:
+            nodes.append(node)
+            node = first.get(node)
+        return nodes
+
+    def spine_tokens(self) -> list[int]:
+        """The tokens of :meth:`spine`'s nodes."""
+        return [self.tokens[i] for i in self.spine()]
+
+    def cut(self, start: int, stop: int) -> DraftProposal:
+        """The subtree under spine node ``start - 1`` (the whole draft for 0), to depth ``stop - 1``: spine
+        nodes ``start:stop`` and their siblings' subtrees as deep; the grammar-forced lead shifts along."""
+        spine = self.spine()
+        forced = min(max(self.num_forced - start, 0), max(stop - start, 0))
+        if self.parents is None:
+            probs = None if self.draft_probs is None else self.draft_probs[start:stop]
+            return DraftProposal(self.tokens[start:stop], None, probs, self.source, forced)
+        top = spine[start - 1] if 0 < start <= len(spine) else -1
+        if start > len(spine):
+            return DraftProposal(source=self.source)
+        depth: list[int] = []
+        index: dict[int, int] = {top: -1}
+        kept: list[int] = []
+        parents: list[int] = []
+        for i, p in enumerate(self.parents):
+            depth.append(0 if p < 0 else depth[p] + 1)
+            if p in index and depth[i] < stop:
+                index[i] = len(kept)
+                kept.append(i)
+                parents.append(index[p])
+        probs = None if self.draft_probs is None else tuple(self.draft_probs[i] for i in kept)
+        tree = any(q != j - 1 for j, q in enumerate(parents))
+        return DraftProposal(tuple(self.tokens[i] for i in kept), tuple(parents) if tree else None, probs,
+                             self.source, forced)
+
     def depth(self) -> int:
         """Length of the longest root-to-leaf path."""
         depths: list[int] = []

@@ -94,7 +94,7 @@ def make_model(url: str, method: str, key: str, drafters: dict[str, Any], args: 
     return ChatAgentSpec(model=TARGET, base_url=url, api_key=key, mode=MODE[method], temperature=0,
                          max_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                          segment_tokens=args.max_new_tokens if whole else args.segment_tokens,
-                         drafter=ModelDrafter(drafters[local]) if local else None,
+                         drafter=ModelDrafter(drafters[local], tree_width=args.tree_width) if local else None,
                          tokenizer=drafters["0.5b"].tokenizer, timeout=900, logprobs=True, top_logprobs=2,
                          pipeline=False if method.endswith("_sync") else None)
 
@@ -256,6 +256,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
                     help="the local drafter auto may switch to edge with")
     ap.add_argument("--methods", default="", help="comma-separated subset of the methods (plain always runs: the "
                     "reference)")
+    ap.add_argument("--tree-width", type=int, default=2,
+                    help="the local drafters' picks per position (ModelDrafter.tree_width): 1 a chain; 2 adds the "
+                         "second pick as a sibling leaf, verified in the same pass")
     ap.add_argument("--int4-draft-vocab", type=int, default=64000,
                     help="output rows the int4 0.5B drafts from: the tokenizer's added tokens and the lowest ids "
                     "(models.lowest_ids_vocab; 0: the whole vocabulary)")
@@ -266,6 +269,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/agent")
     args = ap.parse_args(argv)
+    if args.tree_width < 1:
+        ap.error(f"--tree-width takes a number of picks per position >= 1, got {args.tree_width}")
     if args.int4_draft_vocab < 0:
         ap.error(f"--int4-draft-vocab takes a number of rows >= 0 (0: all), got {args.int4_draft_vocab}")
     for key, (where, how) in MADE.items():
@@ -457,6 +462,7 @@ def setup(args: Any, tasks: tuple[Task, ...], methods: tuple[str, ...]) -> dict[
             "client": "core 0, 1 thread: the LangGraph agent and the 0.5B drafters (bf16; edge_0.5b_int4: int4 "
                       "weight-only linears, bf16 activations)",
             "int4_draft_vocab": args.int4_draft_vocab or "all",
+            "tree_width": args.tree_width,
             "rtt": "DelayProxy on loopback, half the RTT each way", "machine": common.machine_info()}
 
 

@@ -7,7 +7,9 @@ else a fresh one (γ from the router). Nothing here does I/O: the client's steps
 
 from __future__ import annotations
 
+import difflib
 import logging
+import math
 import time
 from collections.abc import Callable, Generator, Mapping
 from functools import partial
@@ -21,6 +23,7 @@ from agentspec.drafters.base import (
     DraftContext,
     catch_up,
     catchup_tokens,
+    common_prefix,
     known_next,
     propose_round,
     take_catchup,
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 # run (in-process verifier, 2 cores) edge rounds came out 25-29 % above the closed form against 4-14 % off
 PIPELINE_MIN_DRAFT_S = 0.002
 CATCHUP_CHUNK = 128  # the most tokens per catch-up prefill (longer ones barely run faster per token)
+RESYNC_MIN = 8  # tokens two renderings of a prompt must share in a row to be taken as aligned (resync)
 
 
 class EdgeRound(NamedTuple):
@@ -77,27 +81,31 @@ class EdgeDrafting:
         ahead, run.ahead = run.ahead, None
         if ahead is not None and ahead[0] != tuple(run.tokens):
             ahead = None  # its hypothesis failed
-        made = 0 if ahead is None else len(ahead[1]) - ahead[1].num_forced  # free drafts γ may use
+        made = 0 if ahead is None else len(ahead[1].spine()) - ahead[1].num_forced  # free drafts γ may use
         gamma = -1
         if left > 0:
             gamma = min(policy.gamma("edge", self.num_draft_tokens, kind=run.kind, drafted=made,
                                      pipelined=self._pipelining()), left)
         fresh = 0
         if ahead is not None and gamma >= 0:
-            prop, draft_s = _cut(ahead[1], 0, min(len(ahead[1]), gamma + ahead[1].num_forced)), 0.0
+            prop, draft_s = ahead[1].cut(0, gamma + ahead[1].num_forced), 0.0
             seg.pipelined += 1
             if gamma > made:  # the draft ahead stopped at the reply: its drafter goes on from where it was
-                more, draft_s, _ = self._propose(run, gamma - made, run.tokens + list(prop.tokens))
-                fresh = len(more) - more.num_forced
-                if len(more) and not more.is_tree:
+                more, draft_s, _ = self._propose(run, gamma - made, run.tokens + prop.spine_tokens())
+                fresh = len(more.spine()) - more.num_forced
+                if len(more):
                     prop = _join(prop, more)
         else:
             prop, draft_s, (caught, caught_s) = self._propose(run, gamma)
-            fresh = len(prop) - prop.num_forced
+            fresh = len(prop.spine()) - prop.num_forced  # sibling leaves cost no drafting pass
             if caught:  # a prefill: the router charges it to switching to edge, not to the tokens drafted
                 seg.catchup_s += caught_s
                 policy.observe_catchup(caught, caught_s)
         prop = prop.head(run.max_draft_tokens)  # forced spans and tree leaves ride on top of γ
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("edge round (%s): γ %d (%d drafted ahead), %d nodes (%d forced), %.1f ms drafting; tokens/s "
+                      "by γ %s", run.kind, gamma, made, len(prop), prop.num_forced, 1e3 * draft_s,
+                      {g: round(r, 2) for g, r in policy.edge.last_rates.items()})
         preview = ""
         if self.preview and self.tokenizer is not None and prop.tokens and not prop.is_tree:
             preview = self.tokenizer.decode(list(prop.tokens), skip_special_tokens=True)
@@ -119,13 +127,11 @@ class EdgeDrafting:
         A round the policy drafts nothing for (γ = 0) drafts ahead too: the drafter would only wait for its
         reply, and a guess that comes true gives the next round a draft that cost nothing. Without it, a
         drafter the policy judged not to pay (say on an answer's first, hard tokens) would sit out every round
-        until the next probe. Not while the drafter is behind, though: no proposal has caught it up, and a
-        first pass that prefills could not stop when the reply is in."""
-        if not len(prop) and catchup_tokens(run.drafter, run.tokens):
-            return False  # no round has caught the drafter up: its draft ahead would start with a whole prefill
+        until the next probe. A drafter still behind (no proposal has caught it up: a new call's messages)
+        catches up first, in chunks that stop when the reply is in (:meth:`draft_ahead`)."""
         # the next round's γ must be able to use a draft after the guess: a token left after both
-        return (self._pipelining() and not prop.is_tree
-                and run.max_tokens - run.generated - len(prop) - 3 >= 0)
+        return (self._pipelining() and (run.sampling.greedy or not prop.is_tree)
+                and run.max_tokens - run.generated - len(prop.spine()) - 3 >= 0)
 
     def catches_up(self, run: Run, opening: bool = False) -> bool:
         """Whether a request of ``run`` in flight should let the local drafter catch up meanwhile: in auto
@@ -137,13 +143,14 @@ class EdgeDrafting:
 
     def expected_prompt(self, run: Run) -> list[int]:
         """The prompt ``run``'s session will most likely get, for the drafter to prefill while it opens: the
-        messages rendered with the client's tokenizer (the target's template renders them on the server; a
-        template that differs only costs the tokens after the first difference), else the last prompt."""
+        messages rendered with the client's tokenizer, resynchronised on the last session's prompt (the server
+        renders with the target's template: where the two differ, the tokens the server rendered last time are
+        taken, :func:`resync`), else the last prompt."""
         if run.prompt:
             return run.tokens
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None) and run.messages:
             try:
-                return render_chat(self.tokenizer, run.messages, run.tools)
+                return resync(render_chat(self.tokenizer, run.messages, run.tools), self.last_prompt)
             except Exception as e:  # noqa: BLE001 (a hint only: the server renders and checks the messages)
                 log.debug("could not render the prompt ahead of the session: %s", e)
         return self.last_prompt
@@ -172,6 +179,8 @@ class EdgeDrafting:
         chunk_s = None if self.round_s is None else self.round_s + (wait_s or 0.0)
         if chunk_s is not None and left_tokens is not None and self.round_tokens:
             chunk_s = min(chunk_s, (wait_s or 0.0) + (left_tokens / self.round_tokens - 1) * self.round_s)
+        if opening and run.mode == "edge":  # its first draft catches up first anyway: no chunk is too long
+            chunk_s = math.inf
         # in auto, greedy: the drafter's choices over the answer too, for the router's edge shadow
         next_from = len(run.prompt) - 1 if run.mode == "auto" and run.prompt and run.sampling.greedy else None
         reply, spent = yield WhileDrafting(request, Call(partial(self.catch_up, next_from=next_from), None,
@@ -204,24 +213,35 @@ class EdgeDrafting:
             if self.observe_catchup is not None:  # the router's rate, also where no catch-up is on a path
                 self.observe_catchup(n, took)
             upto += n
+        log.debug("catch-up in flight: %d tokens left, chunks of at most %s s", len(tokens) - 1 - upto, chunk_s)
         return time.perf_counter() - t0
 
     def _chunk_tokens(self, chunk_s: float | None) -> int:
         """The longest catch-up chunk (CATCHUP_MIN doubled up to CATCHUP_CHUNK) measured or bounded to take at
-        most ``chunk_s`` (0: none does, or no time at all; the shortest while either is unknown). An
-        unmeasured size is bounded by twice the size below it (a prefill pass has a fixed cost, so twice the
-        tokens take less than twice the time); measured ones by their EMA."""
-        n = CATCHUP_MIN
+        most ``chunk_s`` (0: none does, or no time at all; the shortest while either is unknown). A size is
+        bounded by the least EMA measured at it or at any longer size (a pass over fewer tokens takes no
+        longer: one slow first chunk, a cold start, must not rule catch-ups out for good); an unmeasured size
+        with no longer one measured, by twice the size below it (a prefill pass has a fixed cost, so twice
+        the tokens take less than twice the time)."""
         if chunk_s is not None and chunk_s <= 0:
             return 0
-        if chunk_s is None or n not in self.chunk_s:
-            return n
-        if self.chunk_s[n] > chunk_s:
+        if chunk_s is None or not self.chunk_s:
+            return CATCHUP_MIN
+        sizes = [CATCHUP_MIN << i for i in range((CATCHUP_CHUNK // CATCHUP_MIN).bit_length())]
+        bound: dict[int, float] = {}
+        least = math.inf
+        for n in reversed(sizes):
+            least = min(least, self.chunk_s.get(n, math.inf))
+            bound[n] = least
+        if bound[CATCHUP_MIN] == math.inf:
+            return CATCHUP_MIN
+        if bound[CATCHUP_MIN] > chunk_s:
             return 0
-        while 2 * n <= CATCHUP_CHUNK and self.chunk_s.get(2 * n, 2 * self.chunk_s[n]) <= chunk_s:
-            if 2 * n not in self.chunk_s:
-                return 2 * n  # try it: its time is measured from now on
+        n = CATCHUP_MIN
+        while 2 * n <= CATCHUP_CHUNK and min(bound[2 * n], 2 * bound[n]) <= chunk_s:
             n *= 2
+            if bound[n] == math.inf:
+                return n  # try it: its time is measured from now on
         return n
 
     def shadow(self, run: Run, seg: SegmentStats, policy: ModePolicy, shadows: Mapping[str, Any] | None = None
@@ -252,14 +272,20 @@ class EdgeDrafting:
         drafts of the committed tokens are verified. A model drafter stops once ``arrived()`` (the reply is
         in): drafting on past it would delay the next round for tokens it may not even keep, and charge
         that delay to the drafter's cost per token. Returns the drafting seconds."""
-        left = run.max_tokens - run.generated - len(prop) - 2  # what the next round may draft
-        hypothesis = run.tokens + list(prop.tokens)
+        left = run.max_tokens - run.generated - len(prop.spine()) - 2  # what the next round may draft
+        hypothesis = run.tokens + prop.spine_tokens()
+        caught_up = 0.0
+        if catchup_tokens(run.drafter, hypothesis):  # a first pass would be a prefill that cannot stop
+            caught_up = self.catch_up(run.drafter, hypothesis, self.flight_s, arrived)
+            seg.draft_ahead_s += caught_up
+            if catchup_tokens(run.drafter, hypothesis) or arrived():
+                return caught_up  # the next round drafts afresh, from where the catch-up got to
         nxt, seconds, (_, caught_s) = self._propose(run, 1 + min(self.num_draft_tokens, left), hypothesis,
                                                     self._before_reply(arrived))
-        if len(nxt) > 1 and not nxt.is_tree:  # the guess, and a draft after it
-            run.ahead = ((*hypothesis, nxt.tokens[0]), _cut(nxt, 1, len(nxt)))
+        if len(nxt.spine()) > 1 and (run.sampling.greedy or not nxt.is_tree):  # the guess, a draft after it
+            run.ahead = ((*hypothesis, nxt.tokens[0]), nxt.cut(1, len(nxt)))
         seg.draft_ahead_s += seconds + caught_s  # a catch-up here overlapped the round trip too
-        return seconds + caught_s
+        return caught_up + seconds + caught_s
 
     def landed(self, wall_s: float) -> None:
         """A round drafted ahead of came back after ``wall_s``: how long the next one is likely in flight."""
@@ -338,18 +364,34 @@ class EdgeDrafting:
         return None if sampling.greedy else self._torch_generator
 
 
+def resync(render: list[int], last: list[int], min_match: int = RESYNC_MIN) -> list[int]:
+    """``render`` (a prompt rendered with the client's chat template) with its part that matches ``last`` (the
+    server's prompt of an earlier session, rendered with the target's) taken from ``last``: templates that
+    differ by a few characters (Qwen2.5-Coder 0.5B's and 1.5B's tool instructions) part early in the system
+    turn, and without this the drafter would prefill everything after that, twice. After the common prefix,
+    the two are aligned (:class:`difflib.SequenceMatcher`); the last block of at least ``min_match`` tokens
+    they share ends the part taken from ``last``, the rest is ``render``'s (the messages new since)."""
+    start = common_prefix(render, last)
+    if start == len(last) or start == len(render):
+        return render
+    blocks = difflib.SequenceMatcher(None, render[start:], last[start:], autojunk=False).get_matching_blocks()
+    shared = [b for b in blocks if b.size >= min_match]
+    if not shared:
+        return render
+    a, b, size = shared[-1]
+    return last[: start + b + size] + render[start + a + size :]
+
+
 def _join(head: DraftProposal, tail: DraftProposal) -> DraftProposal:
-    """Two chain proposals, ``tail`` drafted after ``head``'s last token, as one (a forced lead that fills
+    """``tail``, drafted after ``head``'s main path, hung below its last node (a forced lead that fills
     ``head`` goes on into ``tail``'s)."""
     probs = None
     if head.draft_probs is not None or tail.draft_probs is not None:
         probs = (*(head.draft_probs or (None,) * len(head)), *(tail.draft_probs or (None,) * len(tail)))
     forced = head.num_forced + (tail.num_forced if head.num_forced == len(head) else 0)
-    return DraftProposal(head.tokens + tail.tokens, None, probs, head.source, forced)
-
-
-def _cut(prop: DraftProposal, start: int, stop: int) -> DraftProposal:
-    """A chain proposal's nodes ``start:stop``; the grammar-forced lead shifts along with the cut."""
-    probs = None if prop.draft_probs is None else prop.draft_probs[start:stop]
-    forced = min(max(prop.num_forced - start, 0), stop - start)
-    return DraftProposal(prop.tokens[start:stop], None, probs, prop.source, forced)
+    if not head.is_tree and not tail.is_tree:
+        return DraftProposal(head.tokens + tail.tokens, None, probs, head.source, forced)
+    spine = head.spine()
+    below = spine[-1] if spine else -1
+    parents = (*head.parent_list(), *(below if p < 0 else p + len(head) for p in tail.parent_list()))
+    return DraftProposal(head.tokens + tail.tokens, parents, probs, head.source, forced)

@@ -58,8 +58,7 @@ class ModelDrafter:
     def reads_lead(self, ctx: DraftContext) -> bool:
         """Whether :meth:`propose` after ``ctx`` reads a ``lead``: greedy, unconstrained chains whose first pass
         is a drafting step (a catch-up's is a prefill, timed apart)."""
-        return (ctx.sampling.greedy and ctx.constraint is None and self.tree_width == 1
-                and not self.catchup_tokens(ctx.tokens))
+        return ctx.sampling.greedy and ctx.constraint is None and not self.catchup_tokens(ctx.tokens)
 
     def catch_up(self, tokens: list[int], next_from: int | None = None) -> None:
         """Prefill the cache over ``tokens`` but the last (which the next proposal feeds) off the critical
@@ -134,12 +133,14 @@ class ModelDrafter:
                 models.synchronize(logits.device)
                 self._catchup = (self._catchup[0] + len(feed), self._catchup[1] + time.perf_counter() - t0)
             if lead:
-                for tok in self._read_lead(logits, lead):  # a chain: each node the child of the one before
-                    tokens.append(tok)
-                    parents.append(parent)
-                    probs.append(None)
-                    chain.append(tok)
-                    parent = len(tokens) - 1
+                for picked in self._read_lead(logits, lead):  # a chain (each node the child of the one before)
+                    node = len(tokens)
+                    for tok in picked:  # the chain's token, then its sibling leaves
+                        tokens.append(tok)
+                        parents.append(parent)
+                        probs.append(None)
+                    chain.append(picked[0])
+                    parent = node
                 lead = []
             else:
                 masked = None
@@ -165,14 +166,19 @@ class ModelDrafter:
             source=self.name,
         )
 
-    def _read_lead(self, logits: torch.Tensor, lead: list[int]) -> list[int]:
+    def _read_lead(self, logits: torch.Tensor, lead: list[int]) -> list[list[int]]:
         """The chain read off one pass over ``lead`` (``logits``: its last ``len(lead) + 1`` rows, the model's
         picks after each lead prefix): the lead's tokens while they are its picks, then its pick where they
-        part. The cache keeps the lead's tokens up to the parting, as if the model had drafted them."""
-        picks = self._ids(logits.argmax(dim=-1))
-        kept = next((i for i, (p, t) in enumerate(zip(picks, lead, strict=False)) if p != t), len(lead))
+        part; each with its sibling leaves (the row's next picks, ``tree_width > 1``). The cache keeps the
+        lead's tokens up to the parting, as if the model had drafted them."""
+        if self.tree_width == 1:
+            top = [[t] for t in self._ids(logits.argmax(dim=-1))]
+        else:
+            top = [self._ids(row) for row in torch.topk(logits, self.tree_width).indices]
+        kept = next((i for i, (p, t) in enumerate(zip(top, lead, strict=False)) if p[0] != t), len(lead))
         self._crop(len(self._cached) - (len(lead) - kept))
-        return [*lead[:kept], picks[kept]]
+        return [*([t, *(x for x in top[i] if x != t)][: self.tree_width] for i, t in enumerate(lead[:kept])),
+                top[kept]]
 
     def _ids(self, rows: torch.Tensor) -> list[int]:
         """Token ids of head rows (a reduced vocabulary's rows map back to their ids)."""

@@ -111,7 +111,9 @@ class TreeDrafter:
         model_s = 0.0
         if k > 0:
             extended = ctx.tokens + forced
-            budget = len(forced) + k + self.node_budget
+            # a model's sibling leaves (tree_width > 1: its next picks, drafted at no extra pass) ride on top
+            leaves = k * (getattr(self.model, "tree_width", 1) - 1) if use_model else 0
+            budget = len(forced) + k + self.node_budget + leaves
             candidates, model_s = self._candidates(ctx, extended, k, use_model)
             paths = []
             for from_model, cand in candidates:
@@ -200,7 +202,8 @@ class TreeDrafter:
 
 
 def _paths(proposal: DraftProposal) -> list[list[int]]:
-    """Root-to-leaf token paths of a proposal, chain first (greedy drafts are deterministic)."""
+    """Root-to-leaf token paths of a proposal, its main path first (:meth:`DraftProposal.spine`), then the
+    longest first (greedy drafts are deterministic)."""
     if not proposal.tokens:
         return []
     if not proposal.is_tree:
@@ -216,7 +219,8 @@ def _paths(proposal: DraftProposal) -> list[list[int]]:
             path.append(proposal.tokens[node])
             node = parents[node]
         out.append(path[::-1])
-    out.sort(key=len, reverse=True)
+    spine = [proposal.tokens[i] for i in proposal.spine()]
+    out.sort(key=lambda path: (path != spine, -len(path)))
     return out
 
 

@@ -73,6 +73,25 @@ def test_a_quantised_drafter_is_lossless_at_the_edge_and_on_the_server(target, r
             assert rounds < len(reference), mode  # the quantised drafter's tokens were accepted
 
 
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "sync"])
+def test_sibling_leaves_at_the_edge_are_lossless(target, reference, pipeline):
+    """An int4 copy of the target drafts a chain with a sibling leaf at each position (tree_width=2): rounds
+    with trees, drafted ahead on their spine's hypothesis or not (over a 20 ms round trip, so a draft ahead
+    has time before the reply), through the real server; plain greedy's output either way."""
+    model = copy.deepcopy(target.model).cpu()
+    models.quantize_linears(model, "int4")
+    drafter = replace(target, model=model, device=torch.device("cpu"), name=f"{target.name}-int4")
+    with (LoopbackServer(target, config()) as srv,
+          DelayProxy("127.0.0.1", int(srv.url.rsplit(":", 1)[1]), one_way_delay_s=0.01) as proxy):
+        client = SpecClient(f"http://127.0.0.1:{proxy.port}", drafter=ModelDrafter(drafter, tree_width=2),
+                            tokenizer=target.tokenizer, mode="edge", segment_tokens=8, pipeline=pipeline)
+        final = client.generate(MESSAGES, max_tokens=MAX)
+        client.close()
+    assert final.tokens == reference
+    assert sum(s.rounds for s in final.stats.segments) < len(reference)
+    assert (sum(s.pipelined for s in final.stats.segments) > 0) is pipeline
+
+
 def test_auto_probes_run_short_segments_and_stay_lossless(server, target, reference):
     """A probe re-measures a mode on ``probe_tokens`` tokens, not a whole segment (a losing probe is cheap);
     other segments run the client's length; the output is plain greedy's."""

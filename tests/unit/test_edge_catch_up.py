@@ -59,6 +59,11 @@ def test_catch_up_with_nothing_behind_does_nothing(target):
     ({CATCHUP_MIN: 0.1, 2 * CATCHUP_MIN: 0.15}, 0.25, 2 * CATCHUP_MIN),  # the next bound, 0.3, does not fit
     ({CATCHUP_MIN: 0.1, 2 * CATCHUP_MIN: 0.12, 4 * CATCHUP_MIN: 0.2}, 0.25, 4 * CATCHUP_MIN),
     ({CATCHUP_MIN: 0.01, 32: 0.01, 64: 0.01, 128: 0.01}, 60.0, CATCHUP_CHUNK),  # never beyond the longest
+    # a cold first chunk (1.8 s) measured once: the longer chunks measured since bound it
+    ({CATCHUP_MIN: 1.846, 32: 0.113, 64: 0.145, 128: 0.294}, 0.3, CATCHUP_CHUNK),
+    ({CATCHUP_MIN: 1.846, 32: 0.113, 64: 0.145, 128: 0.294}, 0.2, 4 * CATCHUP_MIN),
+    ({CATCHUP_MIN: 1.846, 32: 0.113}, 0.1, 0),
+    ({2 * CATCHUP_MIN: 0.1}, 0.3, 4 * CATCHUP_MIN),  # only a longer size measured: it bounds the shorter
 ])
 def test_chunks_grow_only_as_far_as_measured_times_allow(measured, chunk_s, tokens):
     edge = EdgeDrafting(4, None, None, preview=False)
@@ -163,10 +168,11 @@ def test_a_draft_ahead_stops_when_its_rounds_reply_is_in(target):
     from agentspec.types import DraftProposal, SamplingParams
 
     tokens = make_prompt(0)
-    prop = DraftProposal(tokens=tuple(ModelDrafter(target).propose(DraftContext(tokens, len(tokens)), 2).tokens))
     aheads = {}
     for polls in (0, 3, 10**6):  # the reply: in before the first question, after three, never
-        run = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "edge", ModelDrafter(target))
+        drafter = ModelDrafter(target)  # the round's draft is its own: it has read the prompt
+        prop = DraftProposal(tokens=tuple(drafter.propose(DraftContext(tokens, len(tokens)), 2).tokens))
+        run = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "edge", drafter)
         run.prompt, run.tokens = list(tokens), list(tokens)
         seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, {}, "text")
         EdgeDrafting(6, True, None, preview=False).draft_ahead(run, seg, prop, _after(polls))
@@ -186,8 +192,9 @@ def test_a_draft_ahead_cut_short_is_drafted_on_to_the_rounds_length(target):
     from agentspec.types import DraftProposal, SamplingParams
 
     tokens = make_prompt(1)
-    prop = DraftProposal(tokens=tuple(ModelDrafter(target).propose(DraftContext(tokens, len(tokens)), 2).tokens))
-    run = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "edge", ModelDrafter(target))
+    drafter = ModelDrafter(target)
+    prop = DraftProposal(tokens=tuple(drafter.propose(DraftContext(tokens, len(tokens)), 2).tokens))
+    run = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "edge", drafter)
     run.prompt, run.tokens = list(tokens), list(tokens)
     seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, {}, "text")
     edge = EdgeDrafting(6, True, None, preview=False)
@@ -224,8 +231,8 @@ def test_a_drafters_set_up_is_not_counted_as_drafting(target):
 def test_a_round_that_drafts_nothing_still_drafts_the_next_one_ahead(target):
     """At γ = 0 (the policy judged drafting not to pay) the drafter drafts ahead while the round is in flight:
     the next round uses that draft, at no drafting cost, when its guess was the target's token; when it was
-    not, the next round drafts as it would have anyway. Not while the drafter is behind (its first pass
-    would be a prefill that cannot stop at the reply), nor where the next round could draft nothing."""
+    not, the next round drafts as it would have anyway. A drafter still behind (a new prompt) catches up
+    first, in chunks that stop at the reply; not where the next round could draft nothing."""
     from agentspec.client.events import SegmentStats
     from agentspec.client.run import Run
     from agentspec.router import ModePolicy
@@ -238,10 +245,10 @@ def test_a_round_that_drafts_nothing_still_drafts_the_next_one_ahead(target):
         run.prompt, run.tokens = list(tokens), list(tokens)
         seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, {}, "text")
         nothing = DraftProposal()
-        assert not edge.pipelines(run, nothing)  # a new prompt: the drafter has not read it
-        run.drafter.catch_up(tokens)
-        assert edge.pipelines(run, nothing)
-        edge.draft_ahead(run, seg, nothing, _after(10**6))
+        assert run.drafter.catchup_tokens(tokens) and edge.pipelines(run, nothing)  # a new prompt: behind
+        edge.draft_ahead(run, seg, nothing, _after(1))  # the reply came during the catch-up's first chunk
+        assert run.ahead is None and 0 < run.drafter.catchup_tokens(tokens) < len(tokens)
+        edge.draft_ahead(run, seg, nothing, _after(10**6))  # caught up in flight, then drafted ahead
         guess = run.ahead[0][-1]
         assert run.ahead[0] == (*tokens, guess) and len(run.ahead[1]) == 4
         run.tokens = [*tokens, guess if came_true else (guess + 1) % VOCAB]  # the round's one token
@@ -254,3 +261,19 @@ def test_a_round_that_drafts_nothing_still_drafts_the_next_one_ahead(target):
     assert edge.pipelines(run, nothing)
     run.max_tokens = run.generated + 2  # the round's token, then one more: the next round can draft nothing
     assert not edge.pipelines(run, nothing)
+
+
+def test_the_expected_prompt_takes_the_servers_tokens_where_the_templates_differ():
+    """The client renders with the drafter's chat template, the server with the target's; Qwen2.5-Coder
+    0.5B's and 1.5B's differ by two characters in the system turn's tool instructions. The drafter's guess
+    at the next prompt takes the last session's tokens (the server's rendering) through what both share, and
+    the client's rendering after (the new messages): the catch-up prefills what the server will send."""
+    from agentspec.client.edge import resync
+
+    shared, tools, new = list(range(1, 11)), list(range(20, 30)), list(range(30, 40))
+    last = [*shared, 50, 51, *tools]  # the server's rendering of the last call's prompt
+    render = [*shared, 60, *tools, *new]  # the client's rendering of this call's messages
+    assert resync(render, last) == [*last, *new]
+    assert resync(render, []) == render  # no earlier session
+    assert resync([*shared, 70, 71], last) == [*shared, 70, 71]  # nothing shared after the parting
+    assert resync([*last, *new], last) == [*last, *new]  # the same template: nothing to change

@@ -55,12 +55,11 @@ def test_a_lead_gives_the_models_own_chain_in_fewer_passes(target, passes, seed)
 
 
 def test_a_lead_is_ignored_where_it_cannot_stand_for_the_models_draws(target, passes):
-    """Sampled drafts (the law each token was drawn from is sent along), sibling leaves and a catch-up's
-    prefill draft as without a lead: one pass a token."""
+    """Sampled drafts (the law each token was drawn from is sent along) and a catch-up's prefill draft as
+    without a lead: one pass a token."""
     tokens = make_prompt(7)
     own = _own_chain(target, tokens, 4)
-    cases = ((ModelDrafter(target), DraftContext(tokens, len(tokens), SamplingParams(temperature=1.0, seed=0))),
-             (ModelDrafter(target, tree_width=2), DraftContext(tokens, len(tokens))))
+    cases = ((ModelDrafter(target), DraftContext(tokens, len(tokens), SamplingParams(temperature=1.0, seed=0))),)
     for drafter, ctx in cases:
         drafter.propose(DraftContext(tokens[:-2], len(tokens) - 2), 1)
         before = passes[0]
@@ -75,8 +74,8 @@ def test_a_lead_is_ignored_where_it_cannot_stand_for_the_models_draws(target, pa
 def test_the_tree_lets_the_model_read_the_copy_and_lead(target):
     """A strong copy is read by the model in its first pass; the model's chain goes first (it has seen where
     the copy parts from its picks), the copy follows where the node budget leaves room, and the gate still
-    judges the model against the copy that would have led without it. A model that cannot read it (sibling
-    leaves) drafts after the copy, which leads as before."""
+    judges the model against the copy that would have led without it. A model with sibling leaves reads it
+    too, and its leaves ride on top of the node budget (verified with the chain they hang from)."""
     tokens = make_prompt(3)  # its second half repeats its first: the copy drafter finds long matches
     copy = CopyDrafter(max_candidates=1)
     ctx = DraftContext(tokens[:30], 20)
@@ -94,7 +93,26 @@ def test_the_tree_lets_the_model_read_the_copy_and_lead(target):
     wide = tree.propose(DraftContext(tokens[:30], 20), 6)
     assert list(wide.tokens[:6]) == own and wide.is_tree  # the copy is a branch after the model's chain
     siblings = TreeDrafter(copy=copy, model=ModelDrafter(target, tree_width=2))
-    assert list(siblings.propose(DraftContext(tokens[:30], 20), 6).tokens) == copied
+    siblings.catch_up(tokens[:30])
+    tree_draft = siblings.propose(DraftContext(tokens[:30], 20), 6)
+    assert [tree_draft.tokens[i] for i in tree_draft.spine()] == own  # the model's chain leads
+    assert len(tree_draft) == 12  # each chain node has its sibling leaf
+
+
+def test_sibling_leaves_read_a_lead_in_one_pass_and_draft_what_they_draft_without(target, passes):
+    """A drafter with sibling leaves reads a lead too: the same tree as drafted a token a pass, for one pass
+    over the lead's tokens the model agrees with."""
+    tokens = make_prompt(7)
+    own = _own_chain(target, tokens, 4)
+    alone = ModelDrafter(target, tree_width=2)
+    alone.propose(DraftContext(tokens[:-2], len(tokens) - 2), 1)
+    reading = ModelDrafter(target, tree_width=2)
+    reading.propose(DraftContext(tokens[:-2], len(tokens) - 2), 1)
+    expected = alone.propose(DraftContext(tokens, len(tokens)), 4)
+    before = passes[0]
+    got = reading.propose(DraftContext(tokens, len(tokens)), 4, lead=own)
+    assert passes[0] - before == 1
+    assert (got.tokens, got.parents) == (expected.tokens, expected.parents) and expected.is_tree
 
 
 @pytest.mark.parametrize("drafter_is_target", [True, False])
