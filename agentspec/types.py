@@ -165,9 +165,9 @@ class DraftProposal:
         if self.parents is None:
             probs = None if self.draft_probs is None else self.draft_probs[start:stop]
             return DraftProposal(self.tokens[start:stop], None, probs, self.source, forced)
-        top = spine[start - 1] if 0 < start <= len(spine) else -1
         if start > len(spine):
             return DraftProposal(source=self.source)
+        top = spine[start - 1] if start > 0 else -1
         depth: list[int] = []
         index: dict[int, int] = {top: -1}
         kept: list[int] = []
