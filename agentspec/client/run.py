@@ -54,6 +54,7 @@ class Run:
         self.parallel_tool_calls = True  # False: a constrained answer holds one tool call
         self.constraint: Any = None  # the client's copy of that grammar (edge drafts respect it); False: none
         self.excluded: frozenset[str] = frozenset()  # modes the router must not pick for this answer
+        self.round_kind = "text"  # what the last committed round counts as for the router (apply)
         self.whole: str | None = None  # why the vllm mode decodes this answer as one chat completion
 
     @property
@@ -98,13 +99,18 @@ class Run:
                         max_new_tokens=max_new_tokens, drafter=drafter if mode == "server" else "default").to_wire()
 
     def apply(self, reply: RoundReply) -> list[Any]:
-        """Commit a round's tokens; return the events they make final."""
+        """Commit a round's tokens; return the events they make final. Sets :attr:`round_kind`."""
+        before = self.kind
         self.tokens.extend(reply.tokens)
         if self.logprobs is not None and self.finish is None:
             self.logprobs += [x.openai() for x in reply.logprobs or () if x.token not in self.stop_token_ids]
         events = self.feed_text(reply.text)
         if reply.session_finished or (reply.finished and reply.finish_reason == "stop"):
             self.finish = reply.finish_reason or "stop"
+        # the kind the router counts the round in: "tool" where it drafted or committed inside JSON. A round
+        # that opens a call's JSON ("```json\n{") copies boilerplate as well as any argument: counted as
+        # prose, it made a mode look good for the prose of the answer that follows a tool result
+        self.round_kind = "tool" if "tool" in (before, self.kind) else "text"
         return events
 
     def feed_text(self, text: str) -> list[Any]:

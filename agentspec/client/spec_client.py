@@ -281,10 +281,11 @@ class SpecClient:
         seg.accepted += reply.accepted
         seg.server_s += server_s
         seg.draft_s += draft_s
+        events = run.apply(reply)
         self.policy.observe_round(seg.mode, reply.drafted, reply.accepted, len(reply.tokens), wall_s=timed.wall_s,
                                   server_s=server_s, verify_s=reply.timings.verify_ms / 1e3, draft_s=draft_s,
-                                  waiting=reply.load.waiting, kind=run.kind, fresh=fresh)
-        return run.apply(reply)
+                                  waiting=reply.load.waiting, kind=run.round_kind, fresh=fresh)
+        return events
 
     def _segment_done(self, run: Run, seg: SegmentStats, t0: float) -> None:
         seg.wall_s = time.perf_counter() - t0

@@ -67,8 +67,9 @@ class ModePolicy:
     and session opens (they keep it current while no edge round runs); ``E[A]`` and ``γ̄`` per mode, and
     per content kind (``"tool"``/``"text"``), from **shadow replays** (:meth:`observe_replays`), so every
     mode is judged on the *same* text (segment costs are dominated by how predictable the text is), or
-    from the mode's own rounds when not in ``config.shadowed``: each round under the kind it drafted in
-    (a segment that opens a tool call starts in text), as ratios of sums decayed over
+    from the mode's own rounds when not in ``config.shadowed``: each round under its kind (``"tool"`` where
+    it drafted or committed inside JSON: a call's opening fence and brace are as copyable as its
+    arguments, and counted as prose they made a mode look good for prose), as ratios of sums decayed over
     ``config.round_memory`` rounds, so an answer's prose is not judged on the call before it. A
     correction per mode and kind (EMA of measured / closed-form seconds per segment it ran) absorbs what
     the closed forms leave out (edge rounds inside a tool call carry a grammar-cut tree; in prose a chain).

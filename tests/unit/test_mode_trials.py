@@ -9,6 +9,9 @@ little and its rounds correct the estimate.
 from __future__ import annotations
 
 from agentspec import router
+from agentspec.client.run import Run
+from agentspec.protocol import RoundReply
+from agentspec.types import SamplingParams
 from tests.unit.test_router import _agent_policy, _rounds
 
 
@@ -74,3 +77,20 @@ def test_a_switch_on_one_winning_probe_runs_as_a_trial_first():
     _rounds(policy, "server", [("text", 7, 6, 0.0)] * 4, seg_kind="text")  # a whole segment: no trial after it
     policy.current = "edge"
     assert policy.choose(kind="text") == "server" and policy.current == "server"
+
+
+def test_a_round_that_opens_a_calls_json_counts_as_a_tool_round():
+    """A call opens in prose (its fence): the round that commits ```json and the brace drafted in text, but
+    what it copied is the call's boilerplate. Counted as prose, it made server mode look good for the prose
+    of the answer after the tool result (a whole segment of one-token rounds at RTT 100 ms)."""
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+    run = Run([{"role": "user", "content": "x"}], tools, 64, SamplingParams(), (), "auto", None)
+    kinds = []
+    for text in ("Sure.", " Reading it:\n", "```json\n{\n  ", '"name": "read_file", "arguments": {}', "}\n```",
+                 "\nDone."):
+        run.apply(RoundReply(session_id="s", accepted=0, drafted=0, tokens=[1], text=text, committed_len=1))
+        kinds.append(run.round_kind)
+    assert kinds == ["text", "text", "tool", "tool", "tool", "text"]
+    plain = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "auto", None)
+    plain.apply(RoundReply(session_id="s", accepted=0, drafted=0, tokens=[1], text="```json\n{", committed_len=1))
+    assert plain.round_kind == "text"  # no tools: JSON in an answer is prose to the router
