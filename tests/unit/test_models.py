@@ -209,6 +209,14 @@ def test_cache_crop_and_keep_positions():
     ref = reference.layers[0]
     assert torch.equal(layer.keys, ref.keys[..., [0, 1, 3, 5], :])
     assert torch.equal(layer.values, ref.values[..., [0, 1, 3, 5], :])
+    assert models.cache_length(kept) == 4
+    # a path that leaves the first branch after its first node: that node stays where it is
+    again = models.new_cache(lm.model)
+    models.forward(lm.model, tokens, again, 1)
+    models.keep_cache_positions(again, 2, [2, 4])
+    assert torch.equal(again.layers[1].values, reference.layers[1].values[..., [0, 1, 2, 4], :])
+    models.forward(lm.model, [9], again, 1)  # and the cache takes the next pass
+    assert models.cache_length(again) == 5
 
 
 def test_layer_skip_drafter_shares_weights_and_tokenizer():
