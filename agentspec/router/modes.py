@@ -31,6 +31,7 @@ class ModeConfig:
     max_probe_every: int = 128
     probe_margin: float = 0.25
     probe_tokens: int = 8  # a probe segment's most tokens: a losing probe costs these, not a whole segment
+    trial_rounds: int = 4  # rounds of trials (after a probe, or on older text) before a switch is made for good
     busy_penalty: float = 1.25
     ema: float = 0.3
     correction_ema: float = 0.15  # slower: one segment's wall time scatters by 10-20 % on a busy CPU
@@ -46,6 +47,7 @@ class ModeConfig:
                   "max_probe_every must be >= 1": self.max_probe_every >= 1,
                   "probe_margin must be >= 0": self.probe_margin >= 0.0,
                   "probe_tokens must be >= 1": self.probe_tokens >= 1,
+                  "trial_rounds must be >= 0": self.trial_rounds >= 0,
                   "busy_penalty must be >= 1": self.busy_penalty >= 1.0,
                   "ema must be in (0, 1]": 0.0 < self.ema <= 1.0,
                   "correction_ema must be in (0, 1]": 0.0 < self.correction_ema <= 1.0,
@@ -81,7 +83,8 @@ class ModePolicy:
     probes in it lose by more than ``probe_margin`` to what the incumbent measured in that kind (its
     prediction until it has); a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger
     ``hysteresis`` cheaper, and runs as a probe first where the challenger's estimate in the kind is older
-    than the incumbent's or rests on one probe alone (:meth:`_on_older_text`). A saturated server makes
+    than the incumbent's or rests on one probe alone, until its trials add up to ``trial_rounds`` rounds
+    (:meth:`_on_older_text`). A saturated server makes
     server-side drafting cost ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
     """
 
@@ -96,7 +99,8 @@ class ModePolicy:
     probe_interval: dict[tuple[str, str], int] = field(default_factory=dict)  # (mode, kind); backs off on losses
     probing: str | None = None  # the mode of the segment in flight, when it is a probe
     scheduled: bool = False  # the segment in flight is a probe that was due (not a trial of a switch)
-    lone_probe: dict[tuple[str, str], bool] = field(default_factory=dict)  # (mode, kind): its last run a probe
+    # (mode, kind) -> rounds of the trials since its last probe there (None: its last run was a whole segment)
+    trial_streak: dict[tuple[str, str], int | None] = field(default_factory=dict)
     last_probe: int = 0
     server_costs: LinearCost = field(default_factory=LinearCost)  # server-reported t_v(γ), fitted
     # mode -> (E[A], γ̄): from round_sums for the modes whose rounds are reported, else an EMA per segment/replay
@@ -162,14 +166,16 @@ class ModePolicy:
 
     def _on_older_text(self, pick: str, kind: str) -> bool:
         """Whether switching to ``pick`` would rest on too little or too old text: ``pick`` is judged by its
-        own runs and either last ran in ``kind`` before the incumbent did, or its newest run there was one
-        probe-length segment (a probe's few tokens may all have been a copyable stretch: an id, a repeated
-        line). Text within a kind differs (a call's short ids against a call that writes a file's code), so
-        such a switch runs as a probe-length trial first, whose rounds decide."""
+        own runs and either last ran in ``kind`` before the incumbent did, or its newest runs there were a
+        probe and trials of fewer than ``config.trial_rounds`` rounds in all (a probe's few tokens may all
+        have been a copyable stretch: an id, a call's opening; a trial of two 4-token rounds over the same
+        is no better). Text within a kind differs (a call's short ids against a call that writes a file's
+        code), so such a switch runs as a probe-length trial first, whose rounds decide."""
         current = self.current
         if current is None or pick == current or not self._needs_probes(pick, kind):
             return False
-        if self.lone_probe.get((pick, kind), False):
+        streak = self.trial_streak.get((pick, kind))
+        if streak is not None and streak < self.config.trial_rounds:
             return True
         return self.last_used.get((pick, kind), -1) < self.last_used.get((current, kind), -1)
 
@@ -318,7 +324,12 @@ class ModePolicy:
             interval = self.probe_interval.get((mode, k), c.probe_every)
             worse = seconds_per_token > (1 + c.probe_margin) * incumbent
             self.probe_interval[(mode, k)] = min(2 * interval, c.max_probe_every) if worse else c.probe_every
-        self.lone_probe[(mode, k)] = mode == self.probing and self.scheduled
+        if mode != self.probing:
+            self.trial_streak[(mode, k)] = None
+        elif self.scheduled:
+            self.trial_streak[(mode, k)] = 0  # a probe alone never switches: a trial follows
+        else:
+            self.trial_streak[(mode, k)] = (self.trial_streak.get((mode, k)) or 0) + (rounds or tokens)
         self.probing = None
         self.seconds_per_token[mode] = ema(self.seconds_per_token.get(mode), seconds_per_token, c.ema)
         self.measured_kind[(mode, k)] = ema(self.measured_kind.get((mode, k)), seconds_per_token, c.ema)

@@ -39,12 +39,24 @@ def test_a_switch_on_an_older_estimate_runs_as_a_trial_and_reverts_when_it_loses
     assert policy.probing is None and policy.current == "edge"
 
 
-def test_a_trial_that_holds_up_becomes_a_switch():
+def test_a_trial_that_holds_up_becomes_a_switch_once_its_rounds_add_up():
+    """The agent benchmark's fix_mean at RTT 50: a trial ran a call's copyable opening in two 4-token rounds
+    and won, and the switch then ran the call's file content at a token a round for a whole segment. Trials
+    go on until they add up to ``trial_rounds`` rounds; one that loses on the way reverts."""
     policy = _edge_after_server_in_tool_calls()
     assert policy.choose(kind="tool") == "server" and policy.probing == "server"
     _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
     assert policy.choose(kind="tool") == "server"
+    assert policy.probing == "server" and policy.current == "edge"  # two rounds: another trial
+    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
+    assert policy.choose(kind="tool") == "server"
     assert policy.probing is None and policy.current == "server"
+    losing = _edge_after_server_in_tool_calls()
+    assert losing.choose(kind="tool") == "server"
+    _rounds(losing, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
+    assert losing.choose(kind="tool") == "server" and losing.probing == "server"
+    _rounds(losing, "server", [("tool", 1, 6, 0.0)] * 8, seg_kind="tool")  # the file's code: no copies
+    assert losing.choose(kind="tool") == "edge" and losing.current == "edge"
 
 
 def test_a_switch_on_a_newer_estimate_is_immediate():
@@ -71,7 +83,7 @@ def test_a_switch_on_one_winning_probe_runs_as_a_trial_first():
     assert policy.predicted("server", "text") < 0.9 * policy.predicted("edge", "text")
     assert policy.choose(kind="text") == "server"
     assert policy.probing == "server" and policy.current == "edge"  # a trial, not yet a switch
-    _rounds(policy, "server", [("text", 7, 6, 0.0)] * 2, seg_kind="text")  # it wins again
+    _rounds(policy, "server", [("text", 7, 6, 0.0)] * 4, seg_kind="text")  # it wins again, over 4 rounds
     assert policy.choose(kind="text") == "server"
     assert policy.probing is None and policy.current == "server"
     _rounds(policy, "server", [("text", 7, 6, 0.0)] * 4, seg_kind="text")  # a whole segment: no trial after it
