@@ -59,8 +59,9 @@ def keep_cache_positions(cache: Any, keep_prefix: int, extra: list[int]) -> None
     if extra != list(range(keep_prefix, keep_prefix + n)):
         # move the path's few positions down to follow the prefix, in place: re-indexing the whole cache
         # copied all of it every round a tree's path left the first branch (milliseconds at 1k tokens)
-        for _, layer in _filled_layers(cache):
-            index = torch.tensor(extra, device=layer.keys.device)
+        layers = [layer for _, layer in _filled_layers(cache)]
+        index = torch.tensor(extra, device=layers[0].keys.device) if layers else None
+        for layer in layers:
             layer.keys[..., keep_prefix : keep_prefix + n, :] = layer.keys.index_select(-2, index)
             layer.values[..., keep_prefix : keep_prefix + n, :] = layer.values.index_select(-2, index)
     crop_cache(cache, keep_prefix + n)
