@@ -134,6 +134,17 @@ def tree_attention(parents: Sequence[int], num_cached: int, num_pending: int, dt
     return mask[None, None].to(device), torch.tensor([positions], device=device)
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax over its last dimension, the first of equal maxima (a tie goes to the lower id).
+
+    On the CPU, ``max(dim).indices`` gives the same ids at a fraction of ``argmax``'s cost (bf16 rows of a
+    152k vocabulary: about a fifth; a tree round's 13 rows cost 7 ms through ``argmax``). Elsewhere
+    ``max`` does not promise the first of equal maxima, so ``argmax`` stays."""
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: Sequence[int], parents: Sequence[int] | None = None,
                   stop_token_ids: Collection[int] = ()) -> VerifyResult:
     """Accept the longest draft path that equals the target's argmax, then append the target's argmax.
@@ -142,7 +153,7 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: Sequence[int], pare
     """
     if target_logits.shape[0] != len(draft_tokens) + 1:
         raise ValueError(f"need {len(draft_tokens) + 1} logit rows for {len(draft_tokens)} draft tokens")
-    target_argmax = target_logits.argmax(dim=-1).tolist()  # [n + 1]; one device sync
+    target_argmax = greedy_ids(target_logits).tolist()  # [n + 1]; one device sync
     children = children_lists(parents if parents is not None else chain_parents(len(draft_tokens)))
     path: list[int] = []
     node = -1

@@ -21,7 +21,7 @@ import torch
 from agentspec import models
 from agentspec.drafters.base import CATCHUP_MIN, DraftContext, common_prefix, register_drafter
 from agentspec.types import DraftProposal, SparseDist
-from agentspec.verify import sampling_probs
+from agentspec.verify import greedy_ids, sampling_probs
 
 
 @register_drafter("model")
@@ -77,7 +77,7 @@ class ModelDrafter:
         self._cached.extend(feed)
         self._next.extend([-1] * (len(feed) - scored))
         if scored:
-            self._next.extend(self._ids(logits[-scored:].argmax(dim=-1)))
+            self._next.extend(self._ids(greedy_ids(logits[-scored:])))
 
     def known_next(self, tokens: list[int]) -> list[int]:
         """Over the prefix of ``tokens`` in the cache: the drafter's greedy next token after each position
@@ -172,7 +172,7 @@ class ModelDrafter:
         part; each with its sibling leaves (the row's next picks, ``tree_width > 1``). The cache keeps the
         lead's tokens up to the parting, as if the model had drafted them."""
         if self.tree_width == 1:
-            top = [[t] for t in self._ids(logits.argmax(dim=-1))]
+            top = [[t] for t in self._ids(greedy_ids(logits))]
         else:
             top = [self._ids(row) for row in torch.topk(logits, self.tree_width).indices]
         kept = next((i for i, (p, t) in enumerate(zip(top, lead, strict=False)) if p[0] != t), len(lead))
@@ -200,7 +200,7 @@ class ModelDrafter:
         if ctx.sampling.greedy and masked is not None:
             return torch.topk(masked, self.tree_width).indices.tolist(), None
         if ctx.sampling.greedy and self.tree_width == 1:  # argmax, as a lead's and a catch-up's picks are
-            return self._ids(logits.argmax(dim=-1, keepdim=True)), None
+            return self._ids(greedy_ids(logits).unsqueeze(-1)), None
         if ctx.sampling.greedy:
             return self._ids(torch.topk(logits, self.tree_width).indices), None
         logits = self._full_logits(logits) if masked is None else masked  # processors index by token id

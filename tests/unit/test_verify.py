@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from agentspec.types import DraftProposal, SamplingParams, SparseDist
-from agentspec.verify import sampling_probs, tree_attention, verify_greedy, verify_sampled
+from agentspec.verify import greedy_ids, sampling_probs, tree_attention, verify_greedy, verify_sampled
 
 V = 8
 
@@ -135,3 +135,18 @@ def test_draft_proposal_validates_topology():
         DraftProposal(tokens=(1, 2), parents=(1, -1))
     assert DraftProposal(tokens=(1, 2, 3), parents=(-1, -1, 1)).depth() == 2
     assert not DraftProposal(tokens=(1, 2), parents=(-1, 0)).is_tree
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_ids_takes_the_first_of_equal_maxima(dtype):
+    """greedy_ids stands in for argmax on the target's rows: ties (common in bf16) must go to the lower id
+    as argmax's do, or speculative greedy output would part from plain decoding at a tie."""
+    gen = torch.Generator().manual_seed(0)
+    for width in (7, 151_936):  # a short row and a real vocabulary's (the kernels vectorise long rows)
+        rows = torch.randint(0, 3, (13, width), generator=gen).to(dtype)  # every row full of tied maxima
+        rows[3, width - 1] = 5  # a unique maximum at the end
+        rows[4, :] = 0  # a row that is all one value
+        ids = greedy_ids(rows)
+        assert torch.equal(ids, rows.argmax(dim=-1))
+        assert ids[4] == 0 and ids[3] == width - 1
+        assert torch.equal(greedy_ids(rows[0]), rows[0].argmax(dim=-1))  # one row, no batch dimension
