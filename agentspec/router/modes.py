@@ -30,7 +30,7 @@ class ModeConfig:
     probe_every: int = 8
     max_probe_every: int = 128
     probe_margin: float = 0.25
-    probe_tokens: int = 4  # a probe segment's most tokens: a losing probe costs these, not a whole segment
+    probe_tokens: int = 8  # a probe segment's most tokens: a losing probe costs these, not a whole segment
     trial_rounds: int = 4  # rounds of trials (after a probe, or on older text) before a switch is made for good
     busy_penalty: float = 1.25
     ema: float = 0.3
