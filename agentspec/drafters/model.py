@@ -43,7 +43,7 @@ class ModelDrafter:
         self.reset()
 
     def reset(self) -> None:
-        self._cache = models.new_cache(self.model)
+        self._cache = models.new_cache(self.model, spare=True)  # a token or two appended per pass
         self._cached: list[int] = []  # token ids whose keys/values are in self._cache
         # per cached token, the drafter's greedy next token after it, where a catch-up computed it (else -1):
         # its teacher-forced chain over text another mode committed (known_next)

@@ -27,11 +27,63 @@ __all__ = ["cache_length", "cache_nbytes", "check_divergence", "copy_cache_prefi
            "new_cache", "synchronize"]
 
 
-def new_cache(model: Any) -> Any:
-    """An empty cache that can be cropped and re-indexed."""
+def new_cache(model: Any, spare: bool = False) -> Any:
+    """An empty cache that can be cropped and re-indexed. ``spare``: its full-attention layers keep room to
+    grow (:class:`SpareLayer`), for a cache one or two tokens are appended to per pass (a model drafter's)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
-    return DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)
+    if spare:
+        cache.layers = [_spare_layer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+@functools.cache
+def _spare_class() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    class SpareLayer(DynamicLayer):
+        """A ``DynamicLayer`` whose keys and values are views of buffers with room to spare, so appending a
+        token writes it in place instead of concatenating (copying) the whole layer: at a few thousand
+        positions the copies cost a small drafter a sixth of its step. The buffers double when full; a crop
+        only shortens the views (the next tokens overwrite what it dropped). Anything that puts other
+        tensors in ``keys``/``values`` (a batch re-index) is picked up by the next append, which copies
+        them into fresh buffers."""
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n, add = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
+            bufs = getattr(self, "_bufs", None)
+            if bufs is None or n + add > bufs[0].shape[-2] or not _views_of(bufs, self.keys, self.values):
+                cap = max(2 * (n + add), 64)
+                bufs = tuple(x.new_empty((*x.shape[:-2], cap, x.shape[-1])) for x in (key_states, value_states))
+                if n:
+                    bufs[0][..., :n, :].copy_(self.keys)
+                    bufs[1][..., :n, :].copy_(self.values)
+                self._bufs = bufs
+            bufs[0][..., n : n + add, :].copy_(key_states)
+            bufs[1][..., n : n + add, :].copy_(value_states)
+            self.keys, self.values = bufs[0][..., : n + add, :], bufs[1][..., : n + add, :]
+            return self.keys, self.values
+
+        def reset(self) -> None:
+            self._bufs = None
+            super().reset()
+
+    return SpareLayer
+
+
+def _spare_layer() -> Any:
+    return _spare_class()()
+
+
+def _views_of(bufs: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether ``keys``/``values`` are the leading positions of ``bufs`` (not tensors put there since)."""
+    return all(x.dim() == 4 and x.data_ptr() == b.data_ptr() and x.stride() == b.stride() and x.shape[:-2] == b.shape[:-2]
+               for x, b in ((keys, bufs[0]), (values, bufs[1])))
 
 
 def cache_length(cache: Any) -> int:

@@ -237,3 +237,30 @@ def test_offline_default_model_loads():
     assert lm.model.config.vocab_size == 49152 and lm.eos_token_ids
     with torch.inference_mode():
         assert lm.model(torch.tensor([ids])).logits.shape[-1] == 49152
+
+
+def test_a_spare_cache_gives_the_stock_caches_logits_through_crops_keeps_and_growth():
+    lm = tiny_model(seed=6)
+    stock, spare = models.new_cache(lm.model), models.new_cache(lm.model, spare=True)
+    assert type(spare.layers[0]).__name__ == "SpareLayer"
+
+    def both(tokens: list[int], rows: int) -> None:
+        a = models.forward(lm.model, tokens, stock, rows)
+        b = models.forward(lm.model, tokens, spare, rows)
+        assert torch.equal(a, b)
+        assert models.cache_length(stock) == models.cache_length(spare)
+
+    both(list(range(3, 40)), 1)  # a prefill, then steps past the first buffer's 2 * 37 positions
+    for i in range(60):
+        both([5 + i % 7, 9 + i % 5][: 1 + i % 2], 1 + i % 2)
+        if i % 9 == 8:  # a rejected draft rolled back, then the next tokens overwrite what it dropped
+            models.crop_cache(stock, models.cache_length(stock) - 3)
+            models.crop_cache(spare, models.cache_length(spare) - 3)
+        if i % 13 == 12:  # a tree's accepted path kept
+            n = models.cache_length(stock)
+            models.keep_cache_positions(stock, n - 4, [n - 3, n - 1])
+            models.keep_cache_positions(spare, n - 4, [n - 3, n - 1])
+    layer = spare.layers[0]
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # tensors put there from outside
+    both([11], 1)
+    assert models.cache_length(spare) > 64  # it grew past its first buffer
