@@ -225,9 +225,16 @@ def summarise_rtt(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                                   if r["transcript"] != ref[t]["transcript"]}}
     fixed = [m for m in runs if m not in ("plain", "auto")]
     best = min(fixed, key=lambda m: out[m]["model_s_total"], default=None)
+    if "auto" not in runs or best is None:
+        return {"methods": out, "best_fixed": best, "auto_vs_best": None}
+    # like for like: the tasks where auto and the best fixed mode committed the same transcript (one that parted
+    # at a bf16 near-tie did other work: a longer answer's seconds are not the router's)
+    same = [t for t, r in runs["auto"].items() if r["transcript"] == runs[best][t]["transcript"]]
     return {"methods": out, "best_fixed": best,
-            "auto_vs_best": round(out[best]["model_s_total"] / out["auto"]["model_s_total"], 3)
-            if "auto" in runs and best is not None else None}
+            "auto_vs_best": round(out[best]["model_s_total"] / out["auto"]["model_s_total"], 3),
+            "auto_vs_best_same_transcript": round(sum(runs[best][t]["model_s"] for t in same)
+                                                  / sum(runs["auto"][t]["model_s"] for t in same), 3)
+            if same else None, "auto_vs_best_same_transcript_tasks": same}
 
 
 def first_difference(a: str, b: str) -> int:
@@ -438,6 +445,8 @@ def acceptance(result: dict[str, Any], rtts: list[float], args: Any) -> dict[str
         "auto_vs_best": {f"{r:g}": result["rtt"][f"{r:g}"]["auto_vs_best"] for r in rtts},
         "auto_vs_best_min": min((result["rtt"][f"{r:g}"]["auto_vs_best"] for r in rtts
                                  if result["rtt"][f"{r:g}"]["auto_vs_best"] is not None), default=None),
+        "auto_vs_best_same_transcript": {f"{r:g}": result["rtt"][f"{r:g}"].get("auto_vs_best_same_transcript")
+                                         for r in rtts},
         "tasks_correct": None if done is None else {m: sum(v.values()) for m, v in done.items()
                                                     if not m.startswith("answers")},
         "divergences": divergences,  # fp32 ones would be losses; bf16 ones should be near-ties
