@@ -84,7 +84,8 @@ class ModePolicy:
     prediction until it has); a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger
     ``hysteresis`` cheaper, and runs as a probe first where the challenger's estimate in the kind is older
     than the incumbent's or rests on one probe alone, until its trials add up to ``trial_rounds`` rounds
-    (:meth:`_on_older_text`). A saturated server makes
+    (:meth:`_on_older_text`); where those trials measured it no cheaper than the incumbent, it waits for its
+    next probe (:meth:`_lost_trials`). A saturated server makes
     server-side drafting cost ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
     """
 
@@ -101,6 +102,8 @@ class ModePolicy:
     scheduled: bool = False  # the segment in flight is a probe that was due (not a trial of a switch)
     # (mode, kind) -> rounds of the trials since its last probe there (None: its last run was a whole segment)
     trial_streak: dict[tuple[str, str], int | None] = field(default_factory=dict)
+    # (mode, kind) -> (seconds, tokens) of its trials there since its last probe or whole segment there
+    trial_cost: dict[tuple[str, str], tuple[float, int]] = field(default_factory=dict)
     last_probe: int = 0
     server_costs: LinearCost = field(default_factory=LinearCost)  # server-reported t_v(γ), fitted
     # mode -> (E[A], γ̄): from round_sums for the modes whose rounds are reported, else an EMA per segment/replay
@@ -155,7 +158,8 @@ class ModePolicy:
             self.last_probe, self.scheduled = self.segments, True
         else:
             pick = min(modes, key=predicted.__getitem__)
-            if self.current in predicted and predicted[pick] > (1 - c.hysteresis) * predicted[self.current]:
+            if self.current in predicted and (predicted[pick] > (1 - c.hysteresis) * predicted[self.current]
+                                              or self._lost_trials(pick, kind)):
                 pick = self.current
             if self._on_older_text(pick, kind):
                 self.probing = pick  # a trial: the incumbent stays current until the challenger's rounds agree
@@ -178,6 +182,20 @@ class ModePolicy:
         if streak is not None and streak < self.config.trial_rounds:
             return True
         return self.last_used.get((pick, kind), -1) < self.last_used.get((current, kind), -1)
+
+    def _lost_trials(self, pick: str, kind: str) -> bool:
+        """Whether ``pick``'s trials in ``kind`` since its last probe there measured it no cheaper than the
+        incumbent (by ``config.hysteresis``, against what the incumbent measured in the kind, as a probe's
+        verdict is): it is then not switched to on its closed form until a probe measures it again. The
+        trials alone count, not the probe that led to them: that probe ran a trial because it looked good,
+        often for where it fell (a copyable stretch). At RTT 100 a server trial ran 8 tokens in 4 rounds at
+        225 ms a token against edge's ~150, yet its closed form, on the probe's rounds and the trial's, still
+        came out cheaper, and the switch ran a whole segment of a file's code at a token a round."""
+        seconds, tokens = self.trial_cost.get((pick, kind), (0.0, 0))
+        if self.current is None or pick == self.current or not tokens:
+            return False
+        incumbent = self.measured_kind.get((self.current, kind)) or self.predicted(self.current, kind)
+        return seconds / tokens > (1 - self.config.hysteresis) * incumbent
 
     def _probe_after(self, mode: str, kind: str, catchup_tokens: int) -> int:
         """Segments since ``mode`` last ran before it is probed again. An edge probe waits up to one more
@@ -326,10 +344,14 @@ class ModePolicy:
             self.probe_interval[(mode, k)] = min(2 * interval, c.max_probe_every) if worse else c.probe_every
         if mode != self.probing:
             self.trial_streak[(mode, k)] = None
+            self.trial_cost.pop((mode, k), None)
         elif self.scheduled:
             self.trial_streak[(mode, k)] = 0  # a probe alone never switches: a trial follows
+            self.trial_cost[(mode, k)] = (0.0, 0)
         else:
             self.trial_streak[(mode, k)] = (self.trial_streak.get((mode, k)) or 0) + (rounds or tokens)
+            spent, counted = self.trial_cost.get((mode, k), (0.0, 0))
+            self.trial_cost[(mode, k)] = (spent + seconds_per_token * tokens, counted + tokens)
         self.probing = None
         self.seconds_per_token[mode] = ema(self.seconds_per_token.get(mode), seconds_per_token, c.ema)
         self.measured_kind[(mode, k)] = ema(self.measured_kind.get((mode, k)), seconds_per_token, c.ema)

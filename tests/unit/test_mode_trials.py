@@ -106,3 +106,29 @@ def test_a_round_that_opens_a_calls_json_counts_as_a_tool_round():
     plain = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "auto", None)
     plain.apply(RoundReply(session_id="s", accepted=0, drafted=0, tokens=[1], text="```json\n{", committed_len=1))
     assert plain.round_kind == "text"  # no tools: JSON in an answer is prose to the router
+
+
+def test_trials_that_measured_the_challenger_dearer_keep_the_incumbent_until_it_is_probed_again():
+    """The agent benchmark's fix_mean at RTT 100: a server trial won over a call's copyable opening, the next
+    ran a file's code at a token a round; their rounds added up to ``trial_rounds`` and, on them and older
+    copies, server's closed form still came out cheaper, so a whole segment ran at a token a round (12 s).
+    What the trials measured, not the closed form, decides: they cost more a token than edge measured."""
+    policy = _edge_after_server_in_tool_calls()
+    assert policy.choose(kind="tool") == "server" and policy.probing == "server"
+    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
+    assert policy.choose(kind="tool") == "server" and policy.probing == "server"
+    _rounds(policy, "server", [("tool", 1, 6, 0.0)] * 2, seg_kind="tool")
+    seconds, tokens = policy.trial_cost[("server", "tool")]
+    assert tokens == 10 and seconds / tokens > policy.measured_kind[("edge", "tool")]
+    assert policy.predicted("server", "tool") < (1 - policy.config.hysteresis) * policy.predicted("edge", "tool")
+    for _ in range(3):  # not on the closed form, segment after segment
+        assert policy.choose(kind="tool") == "edge"
+        assert policy.current == "edge" and policy.probing is None
+        _rounds(policy, "edge", [("tool", 3, 6, 0.05)] * 2, seg_kind="tool")
+    policy.segments += 2 * policy.config.probe_every  # its next probe falls due: it wins, and trials go on
+    assert policy.choose(kind="tool") == "server" and policy.scheduled
+    _rounds(policy, "server", [("tool", 6, 6, 0.0)] * 2, seg_kind="tool")
+    assert policy.trial_cost[("server", "tool")] == (0.0, 0)
+    assert policy.choose(kind="tool") == "server" and policy.probing == "server" and not policy.scheduled
+    _rounds(policy, "server", [("tool", 6, 6, 0.0)] * 4, seg_kind="tool")
+    assert policy.choose(kind="tool") == "server" and policy.current == "server"
