@@ -35,7 +35,8 @@ def new_cache(model: Any, spare: bool = False) -> Any:
 
     cache = DynamicCache(config=model.config)
     if spare:
-        cache.layers = [_spare_layer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        spare_layer = _spare_class()
+        cache.layers = [spare_layer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 
@@ -45,8 +46,8 @@ def _spare_class() -> type:
 
     class SpareLayer(DynamicLayer):
         """A ``DynamicLayer`` whose keys and values are views of buffers with room to spare, so appending a
-        token writes it in place instead of concatenating (copying) the whole layer: at a few thousand
-        positions the copies cost a small drafter a sixth of its step. The buffers double when full; a crop
+        token writes it in place instead of concatenating (copying) the whole layer, which at an agent's
+        context length is a sizeable share of a small drafter's step. The buffers double when full; a crop
         only shortens the views (the next tokens overwrite what it dropped). Anything that puts other
         tensors in ``keys``/``values`` (a batch re-index) is picked up by the next append, which copies
         them into fresh buffers."""
@@ -74,10 +75,6 @@ def _spare_class() -> type:
             super().reset()
 
     return SpareLayer
-
-
-def _spare_layer() -> Any:
-    return _spare_class()()
 
 
 def _views_of(bufs: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor) -> bool:

@@ -188,9 +188,8 @@ class ModePolicy:
         incumbent (by ``config.hysteresis``, against what the incumbent measured in the kind, as a probe's
         verdict is): it is then not switched to on its closed form until a probe measures it again. The
         trials alone count, not the probe that led to them: that probe ran a trial because it looked good,
-        often for where it fell (a copyable stretch). At RTT 100 a server trial ran 8 tokens in 4 rounds at
-        225 ms a token against edge's ~150, yet its closed form, on the probe's rounds and the trial's, still
-        came out cheaper, and the switch ran a whole segment of a file's code at a token a round."""
+        often for where it fell (a copyable stretch). The closed form, resting on the probe's rounds and older
+        ones, can still come out cheaper after trials that lost, and the switch then runs a whole segment."""
         seconds, tokens = self.trial_cost.get((pick, kind), (0.0, 0))
         if self.current is None or pick == self.current or not tokens:
             return False
