@@ -165,13 +165,14 @@ class EdgeDrafting:
 
     def in_flight(self, run: Run, request: Call, tokens: list[int], seg: SegmentStats | None = None,
                   wait_s: float | None = None, left_tokens: int | None = None,
-                  opening: bool = False) -> Generator[Any, Any, Any]:
+                  opening: bool = False, edge_next: bool = False) -> Generator[Any, Any, Any]:
         """Steps that make ``request`` (a session open, a server segment's next line) and return its reply,
         letting the local drafter catch up over ``tokens`` meanwhile when :meth:`catches_up` says so. Its
         chunks may take a server round, plus ``wait_s`` (what else the reply waits for: the round trip of a
         new request), and end a round before the segment's ``left_tokens`` are expected in: the end of a
         segment is the one line the client waits for (the next request follows it). What it spends goes to
-        ``seg.draft_ahead_s``; ``opening``: ``request`` opens the session (see :meth:`catches_up`)."""
+        ``seg.draft_ahead_s``; ``opening``: ``request`` opens the session (see :meth:`catches_up`) for an edge
+        segment when ``edge_next``."""
         if not tokens or not self.catches_up(run, opening) or not catchup_tokens(run.drafter, tokens):
             return (yield request)
         if seg is not None and seg.rounds:
@@ -179,7 +180,7 @@ class EdgeDrafting:
         chunk_s = None if self.round_s is None else self.round_s + (wait_s or 0.0)
         if chunk_s is not None and left_tokens is not None and self.round_tokens:
             chunk_s = min(chunk_s, (wait_s or 0.0) + (left_tokens / self.round_tokens - 1) * self.round_s)
-        if opening and run.mode == "edge":  # its first draft catches up first anyway: no chunk is too long
+        if opening and edge_next:  # its first draft catches up first anyway: no chunk is too long
             chunk_s = math.inf
         # in auto, greedy: the drafter's choices over the answer too, for the router's edge shadow
         next_from = len(run.prompt) - 1 if run.mode == "auto" and run.prompt and run.sampling.greedy else None

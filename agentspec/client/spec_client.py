@@ -207,15 +207,16 @@ class SpecClient:
             raise VerifierUnavailable(f"the deployment failed and there is no verifier or fallback_model: {error}",
                                       status=error.status, code=error.code) from error
 
-    def _session(self, run: Run) -> Generator[Any, Any, HTTPTransport]:
-        """The verifier of ``run``, with a session open on it (opened now when there is none)."""
+    def _session(self, run: Run, mode: str) -> Generator[Any, Any, HTTPTransport]:
+        """The verifier of ``run``, with a session open on it (opened now when there is none) for a ``mode``
+        segment."""
         t = self.transports[run.verifier]
         if run.sid is None:
             # the server prefills the prompt meanwhile: a drafter that catches up prefills the one it expects
             opening = Call(t.post, t.apost, ("/v1/spec/sessions", run.open_request()))
             prefix = self._edge.expected_prompt(run) if self._edge.catches_up(run, opening=True) else []
             reply = yield from self._edge.in_flight(run, opening, prefix, wait_s=self.policy.network_s(),
-                                                    opening=True)
+                                                    opening=True, edge_next=mode == "edge")
             self.health.ok(run.verifier)
             info = SessionInfo.model_validate(reply.body)
             run.opened(info)
@@ -224,7 +225,7 @@ class SpecClient:
         return t
 
     def _edge_segment(self, run: Run) -> Steps:
-        t = yield from self._session(run)
+        t = yield from self._session(run, "edge")
         seg, t0, edge = self._segment(run, "edge"), time.perf_counter(), self._edge
         limit = self._segment_tokens(seg)
         try:
@@ -245,7 +246,7 @@ class SpecClient:
             self._segment_done(run, seg, t0)
 
     def _server_segment(self, run: Run, mode: str) -> Steps:
-        t = yield from self._session(run)
+        t = yield from self._session(run, mode)
         seg, t0 = self._segment(run, mode), time.perf_counter()
         n = min(self._segment_tokens(seg), run.max_tokens - run.generated)
         body = run.generate_request(mode, n, self.server_drafter)

@@ -147,11 +147,16 @@ def test_the_drafter_prefills_the_prompt_it_expects_while_the_session_opens(targ
     runs["edge"].prompt = runs["edge"].tokens = []
     expected = edge.expected_prompt(runs["edge"])
     steps = edge.in_flight(runs["edge"], Call(lambda: opened.append(1) or "reply", None, ()), expected,
-                           opening=True)
+                           opening=True, edge_next=True)
     item = next(steps)  # the open goes out with the drafter's prefill beside it
     assert isinstance(item, WhileDrafting) and item.until_reply
     spent = item.draft.fn(*item.draft.args, lambda: False)  # a slow server: the whole prompt is prefilled
     assert spent > 0 and drafter.catchup_tokens(expected) == 0
+    # an edge segment follows (its first draft would catch up anyway): chunks grow, unbounded by a round
+    assert len(expected) > 3 * CATCHUP_MIN and max(n for n, _ in told) > CATCHUP_MIN
+    auto = copy.deepcopy(edge)  # its chunk times measured; no round measured: a server segment's chunks stay short
+    steps = auto.in_flight(runs["auto"], Call(lambda: "reply", None, ()), expected, opening=True, edge_next=False)
+    assert next(steps).draft.args[2] is None and auto._chunk_tokens(None) == CATCHUP_MIN
     # each chunk teaches the router the prefill's rate: all but the last token, as the drafter feeds it later
     assert sum(n for n, _ in told) == len(expected) - 1 and all(s > 0 for _, s in told)
     with pytest.raises(StopIteration) as done:
