@@ -192,7 +192,7 @@ class SpecClient:
         seg, t0 = self._segment(run, "vllm"), time.perf_counter()
         try:
             yield from deployment_segment(run, self.deployment, self._deployment, seg,
-                                          min(self._segment_tokens(seg), run.max_tokens - run.generated))
+                                          min(self._segment_tokens(run), run.max_tokens - run.generated))
         finally:
             self._segment_done(run, seg, t0)
 
@@ -227,7 +227,7 @@ class SpecClient:
     def _edge_segment(self, run: Run) -> Steps:
         t = yield from self._session(run, "edge")
         seg, t0, edge = self._segment(run, "edge"), time.perf_counter(), self._edge
-        limit = self._segment_tokens(seg)
+        limit = self._segment_tokens(run)
         try:
             while run.finish is None and seg.tokens < limit:
                 body, draft_s, fresh, preview, prop = yield Call(edge.round, None, (run, seg, self.policy))
@@ -248,7 +248,7 @@ class SpecClient:
     def _server_segment(self, run: Run, mode: str) -> Steps:
         t = yield from self._session(run, mode)
         seg, t0 = self._segment(run, mode), time.perf_counter()
-        n = min(self._segment_tokens(seg), run.max_tokens - run.generated)
+        n = min(self._segment_tokens(run), run.max_tokens - run.generated)
         body = run.generate_request(mode, n, self.server_drafter)
         try:
             lines = yield Call(t.stream_lines, t.astream_lines, (f"/v1/spec/sessions/{run.sid}/generate", body))
@@ -263,10 +263,10 @@ class SpecClient:
         finally:
             self._segment_done(run, seg, t0)
 
-    def _segment_tokens(self, seg: SegmentStats) -> int:
-        """The segment's token budget: the client's; a probe's is shorter (``ModeConfig.probe_tokens``), as its
-        rounds judge the mode as well as a whole segment's would (the closed forms are per round)."""
-        return min(self.segment_tokens, self.policy.config.probe_tokens) if seg.probe else self.segment_tokens
+    def _segment_tokens(self, run: Run) -> int:
+        """The segment's token budget: the client's; in auto, the router's (shorter for a probe, and after a
+        switch: :meth:`ModePolicy.segment_limit`), as a few rounds judge a mode as well as a segment's would."""
+        return self.policy.segment_limit() if run.mode == "auto" else self.segment_tokens
 
     def _segment(self, run: Run, mode: str) -> SegmentStats:
         return SegmentStats(mode, 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions), run.kind,

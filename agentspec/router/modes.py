@@ -105,6 +105,7 @@ class ModePolicy:
     # (mode, kind) -> (seconds, tokens) of its trials there since its last probe or whole segment there
     trial_cost: dict[tuple[str, str], tuple[float, int]] = field(default_factory=dict)
     last_probe: int = 0
+    tenure: int | None = None  # segments the current mode has run since a switch (None: it was never switched)
     server_costs: LinearCost = field(default_factory=LinearCost)  # server-reported t_v(γ), fitted
     # mode -> (E[A], γ̄): from round_sums for the modes whose rounds are reported, else an EMA per segment/replay
     per_round: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -164,9 +165,24 @@ class ModePolicy:
             if self._on_older_text(pick, kind):
                 self.probing = pick  # a trial: the incumbent stays current until the challenger's rounds agree
             else:
+                switched = self.current not in (None, pick)
+                self.tenure = 0 if switched else None if self.tenure is None else self.tenure + 1
                 self.current = pick
         self.last_used[(pick, kind)] = self.segments
         return pick
+
+    def segment_limit(self) -> int:
+        """The most tokens of the segment :meth:`choose` just picked: a probe's ``probe_tokens``, and so a
+        switch's first segment's, doubling per segment the new mode stays current (a slow start) up to
+        ``segment_tokens``. A probe and trials can win on a copyable stretch (a call's opening) that the switch
+        then leaves behind (the call's code): the switch is judged again after a probe's tokens, not a
+        segment's. Each extra segment costs a server-side mode a round trip, and an edge one nothing."""
+        c = self.config
+        if self.probing is not None:
+            return min(c.probe_tokens, c.segment_tokens)
+        if self.tenure is None:
+            return c.segment_tokens
+        return min(c.probe_tokens << min(self.tenure, 16), c.segment_tokens)
 
     def _on_older_text(self, pick: str, kind: str) -> bool:
         """Whether switching to ``pick`` would rest on too little or too old text: ``pick`` is judged by its

@@ -132,3 +132,29 @@ def test_trials_that_measured_the_challenger_dearer_keep_the_incumbent_until_it_
     assert policy.choose(kind="tool") == "server" and policy.probing == "server" and not policy.scheduled
     _rounds(policy, "server", [("tool", 6, 6, 0.0)] * 4, seg_kind="tool")
     assert policy.choose(kind="tool") == "server" and policy.current == "server"
+
+
+def test_a_switch_starts_with_probe_length_segments_that_double_while_it_holds_up():
+    """The agent benchmark's fix_mean at RTT 20: a server probe and trial both won over a call's copyable
+    opening; the switch's segment then ran the call's code at a token a round, 32 tokens in 30 rounds. A
+    switch's first segment is probe-length, so such a switch is judged again after ``probe_tokens``; one
+    that holds up doubles its segments up to the client's."""
+    policy = _edge_after_server_in_tool_calls()
+    c = policy.config
+    assert policy.tenure is None and policy.segment_limit() == c.segment_tokens  # never switched: whole segments
+    assert policy.choose(kind="tool") == "server" and policy.segment_limit() == c.probe_tokens  # a trial
+    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 4, seg_kind="tool")
+    limits = []
+    for _ in range(4):
+        assert policy.choose(kind="tool") == "server" and policy.current == "server" and policy.probing is None
+        limits.append(policy.segment_limit())
+        _rounds(policy, "server", [("tool", 4, 6, 0.0)] * (limits[-1] // 4), seg_kind="tool")
+    assert limits == [8, 16, 32, 32] and c.probe_tokens == 8 and c.segment_tokens == 32
+    losing = _edge_after_server_in_tool_calls()
+    assert losing.choose(kind="tool") == "server"
+    _rounds(losing, "server", [("tool", 4, 6, 0.0)] * 4, seg_kind="tool")
+    assert losing.choose(kind="tool") == "server" and losing.current == "server"
+    assert losing.segment_limit() == c.probe_tokens
+    _rounds(losing, "server", [("tool", 1, 6, 0.0)] * 8, seg_kind="tool")  # the call's code: no copies
+    assert losing.choose(kind="tool") == "edge"  # judged again after 8 tokens, not 32: it goes back
+    assert losing.segment_limit() == c.probe_tokens  # (as a trial: edge's tool estimate is the older)
