@@ -55,6 +55,7 @@ NOT_RUN = {
     (".venv/bin/python", "-m", "benchmarks.pair"): "the pair benchmark (the 1.5B target; ~25 minutes)",
     (".venv/bin/python", "-m", "benchmarks.agent"): "the agent benchmark (the 1.5B target; 40-75 minutes)",
     (".venv/bin/python", "-m", "benchmarks.train"): "a training benchmark (tens of minutes)",
+    (".venv/bin/python", "-m", "benchmarks.cross_core"): "times both cores for ~2 minutes over 3.6 GB of weights",
     ("make", "vllm"): "makes the vLLM venv (minutes, hundreds of MB)",
     ("make", "test-vllm"): "starts vLLM servers (make test-vllm is its own suite)",
     ("make", "bench-vllm"): "runs the vLLM benchmark for many minutes",
