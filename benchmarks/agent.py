@@ -169,15 +169,32 @@ def run_rtt(srvs: dict[str, Verifier], rtt_ms: float, methods: tuple[str, ...], 
             for question in WARM[: 3 if m == "auto" else 1]:  # an untried mode first: one short call per mode)
                 warm_up(chat[m], args, question)
         runs: dict[str, dict[str, Any]] = {m: {} for m in methods}
+        repeats = args.repeats if tag == "bf16" else 1  # fp32 checks losslessness: one run is the check
         for i, task in enumerate(tasks):
-            order = methods[i % len(methods):] + methods[: i % len(methods)]
-            for m in order:
-                runs[m][task.id] = run_task(chat[m], task, args.max_steps, args.system_prompt)
+            base = methods[i % len(methods):] + methods[: i % len(methods)]
+            done: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+            for k in range(repeats):  # ABBA: each method's mean place in the order is the same
+                for m in base if k % 2 == 0 else base[::-1]:
+                    done[m].append(run_task(chat[m], task, args.max_steps, args.system_prompt))
+            for m in methods:
+                runs[m][task.id] = merged(done[m])
             ref = runs[methods[0]][task.id]
             log(f"rtt={rtt_ms:g}ms {task.id}: steps={ref['steps']} correct={ref['correct']} " + " ".join(
                 f"{m}={runs[m][task.id]['model_s']:.1f}s"
                 f"{'' if runs[m][task.id]['transcript'] == ref['transcript'] else '(differs)'}" for m in methods))
     return runs
+
+
+def merged(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One task's runs by one method as one: the first's transcript, answer and logprobs (what the divergence
+    report reads), every run's calls (pooled decode figures), and the mean model time, with each run's."""
+    first = repeats[0]
+    if len(repeats) == 1:
+        return first
+    return {**first, "model_s": sum(r["model_s"] for r in repeats) / len(repeats),
+            "model_s_runs": [round(r["model_s"], 3) for r in repeats],
+            "calls": [c for r in repeats for c in r["calls"]],
+            "same_transcript_across_runs": all(r["transcript"] == first["transcript"] for r in repeats)}
 
 
 def warm_up(model: ChatAgentSpec, args: Any, question: str = WARM[0]) -> None:
@@ -269,6 +286,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
     ap.add_argument("--int4-draft-vocab", type=int, default=64000,
                     help="output rows the int4 0.5B drafts from: the tokenizer's added tokens and the lowest ids "
                     "(models.lowest_ids_vocab; 0: the whole vocabulary)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each task per method in bf16, in alternating order (the VM's speed drifts from "
+                    "minute to minute: benchmarks/cross_core.py); a task's model time is their mean")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 lossless check")
     ap.add_argument("--no-completion", action="store_true", help="skip the 0.5B's own task runs (tasks_correct)")
     ap.add_argument("--cold-agent-prefix", action="store_true",
@@ -276,6 +296,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/agent")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats takes a number of runs per task >= 1, got {args.repeats}")
     if args.tree_width < 1:
         ap.error(f"--tree-width takes a number of picks per position >= 1, got {args.tree_width}")
     if args.int4_draft_vocab < 0:
@@ -464,6 +486,7 @@ def setup(args: Any, tasks: tuple[Task, ...], methods: tuple[str, ...]) -> dict[
             "dtype": "bfloat16 (fp32: the lossless check)",
             "tasks": {t.id: t.prompt for t in tasks}, "max_new_tokens": args.max_new_tokens,
             "max_steps": args.max_steps, "system_prompt": args.system_prompt, "num_draft_tokens": args.num_draft_tokens,
+            "repeats_bf16": args.repeats,
             "warm_up": "a bare call" if args.cold_agent_prefix else "the agent's system prompt and tools, then a call",
             "segment_tokens": {"plain": args.max_new_tokens, "server, edge_0.5b, auto": args.segment_tokens},
             "server": "agentspec-verifier, taskset core 1, 1 thread, no draft model (server_small and "

@@ -20,9 +20,11 @@ def test_command_line_picks_methods_and_refuses_what_it_cannot_run(tmp_path, cap
     assert methods == ("plain", "server", "server_small", "server_0.5b_int4", "edge_0.5b", "edge_0.5b_int4",
                        "edge_0.5b_sync", "edge_small", "auto")
     assert parse_args([*none, "--auto-drafter", "0.5b_int4"])[0].auto_drafter == "0.5b_int4"  # made on the fly
+    assert parse_args(none)[0].repeats == 1 and parse_args([*none, "--repeats", "2"])[0].repeats == 2
     for bad, says in ((["--methods", "server,warp"], "unknown ['warp']"), (["--rtts", "0,fast"], "--rtts"),
                       (["--small-drafter", str(tmp_path / "missing"), "--tuned-drafter", "none"], "no drafter there"),
-                      ([*none, "--auto-drafter", "small"], "--auto-drafter small")):
+                      ([*none, "--auto-drafter", "small"], "--auto-drafter small"),
+                      ([*none, "--repeats", "0"], "--repeats takes a number of runs per task >= 1")):
         with pytest.raises(SystemExit):
             parse_args(bad)
         assert says in capsys.readouterr().err
