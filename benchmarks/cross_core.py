@@ -9,8 +9,8 @@ move both cores' speed from minute to minute, which falls on whichever method ru
 ``python -m benchmarks.cross_core`` measures both with memory-bound stand-ins (synthetic bf16 weights, not
 the models): the verifier's pass (``--server-gb`` of weights against 8 rows, a tree of 8 tokens) on core 1
 and a drafting step (``--client-gb`` against one row) on core 0, in interleaved phases (each alone, both at
-once), so the drift falls on both sides of the comparison alike; the per-cycle medians alone show the drift.
-Measured one after the other instead, the drift passed for a 22-31 % slowdown that interleaving did not find.
+once), so the drift falls on both sides of the comparison alike (measured one after the other, drift passes
+for a slowdown); the per-cycle medians alone show the drift.
 
 Writes ``benchmarks/results/cross_core.json`` with an ``"acceptance"`` object.
 """
@@ -35,7 +35,7 @@ DIM, HIDDEN = 1536, 8960  # the 1.5B's MLP shape: one matrix of it is 27.5 MB in
 
 
 # phases of a cycle: which of (server, client) runs; alone and beside each other interleave, so the VM's drift
-# (other tenants' load moves either figure by 10-20 % within minutes) falls on both alike
+# (other tenants' load moving either core's speed within minutes) falls on both alike
 PHASES = ((True, False), (True, True), (False, True), (True, True))
 
 
@@ -55,7 +55,9 @@ def worker(role: int, core: int, gigabytes: float, rows: int, phase_s: float, cy
     time.sleep(max(start_at - time.time(), 0.0))
     times: dict[bool, list[float]] = {False: [], True: []}  # beside the other?
     per_cycle: list[list[float]] = [[] for _ in range(cycles)]  # alone: how the VM's speed drifts
-    phase_of = lambda t: int((t - start_at) / phase_s)  # noqa: E731
+    def phase_of(t: float) -> int:
+        return int((t - start_at) / phase_s)
+
     while (k := phase_of(time.time())) < cycles * len(PHASES):
         runs = PHASES[k % len(PHASES)]
         if not runs[role]:
@@ -69,7 +71,9 @@ def worker(role: int, core: int, gigabytes: float, rows: int, phase_s: float, cy
             times[runs[1 - role]].append(took)
             if not runs[1 - role]:
                 per_cycle[k // len(PHASES)].append(took)
-    median = lambda v: round(1e3 * sorted(v)[len(v) // 2], 2) if v else None  # noqa: E731
+    def median(v: list[float]) -> float | None:
+        return round(1e3 * sorted(v)[len(v) // 2], 2) if v else None
+
     return {"alone_ms": median(times[False]), "beside_ms": median(times[True]),
             "alone_ms_per_cycle": [median(v) for v in per_cycle], "passes": {"alone": len(times[False]),
             "beside": len(times[True])}, "gigabytes": round(count * DIM * HIDDEN * 2 / 1e9, 3)}
