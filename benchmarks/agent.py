@@ -7,7 +7,8 @@ Run: ``python -m benchmarks.agent`` (alone on the machine; 40-75 minutes on 2 co
 The tasks (:mod:`benchmarks.agent_tasks`) are multi-step tool-using requests over a deterministic world
 (files, orders, a mailbox, fixed currency rates), each with a check of the end state. For each injected RTT
 (a :class:`~benchmarks.delay_proxy.DelayProxy` between agent and verifier), every method runs every task,
-in rotated order per task, with its own API key (no method reuses another's prompt KV or copy index):
+in rotated order per task, with its own API key (no method reuses another's prompt KV or copy index; with
+``--repeats``, no repeat reuses another's):
 
 * ``plain`` — ``server-ar``, one request per model call: one target pass per token (the reference);
 * ``server`` — the verifier drafts (grammar + copy), one request per model call;
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import time
@@ -163,19 +165,21 @@ def run_rtt(srvs: dict[str, Verifier], rtt_ms: float, methods: tuple[str, ...], 
     with contextlib.ExitStack() as stack:
         urls = {k: f"http://127.0.0.1:{stack.enter_context(DelayProxy('127.0.0.1', v.port, rtt_ms / 2e3)).port}"
                 if rtt_ms else v.url for k, v in srvs.items()}
-        chat = {m: make_model(urls[SERVER_OF.get(m, "main")], m, f"{tag}-{m}-{rtt_ms:g}", drafters, args)
-                for m in methods}
-        for m in methods:  # untimed: first requests, and the router's first look at each mode (auto tries
-            for question in WARM[: 3 if m == "auto" else 1]:  # an untried mode first: one short call per mode)
-                warm_up(chat[m], args, question)
-        runs: dict[str, dict[str, Any]] = {m: {} for m in methods}
         repeats = args.repeats if tag == "bf16" else 1  # fp32 checks losslessness: one run is the check
+        # one client and API key per repeat, kept across tasks: a repeat must not copy its own earlier answer
+        # from the copy indexes (the server's per key, the client's per client), which plain cannot do
+        chat = [{m: make_model(urls[SERVER_OF.get(m, "main")], m, repeat_key(tag, m, rtt_ms, k), drafters, args)
+                 for m in methods} for k in range(repeats)]
+        for k, m in itertools.product(range(repeats), methods):  # untimed: first requests, and the router's
+            for question in WARM[: 3 if m == "auto" else 1]:  # first look at each mode (auto tries an untried
+                warm_up(chat[k][m], args, question)  # mode first: one short call per mode)
+        runs: dict[str, dict[str, Any]] = {m: {} for m in methods}
         for i, task in enumerate(tasks):
             base = methods[i % len(methods):] + methods[: i % len(methods)]
             done: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
             for k in range(repeats):  # ABBA: each method's mean place in the order is the same
                 for m in base if k % 2 == 0 else base[::-1]:
-                    done[m].append(run_task(chat[m], task, args.max_steps, args.system_prompt))
+                    done[m].append(run_task(chat[k][m], task, args.max_steps, args.system_prompt))
             for m in methods:
                 runs[m][task.id] = merged(done[m])
             ref = runs[methods[0]][task.id]
@@ -183,6 +187,12 @@ def run_rtt(srvs: dict[str, Verifier], rtt_ms: float, methods: tuple[str, ...], 
                 f"{m}={runs[m][task.id]['model_s']:.1f}s"
                 f"{'' if runs[m][task.id]['transcript'] == ref['transcript'] else '(differs)'}" for m in methods))
     return runs
+
+
+def repeat_key(tag: str, method: str, rtt_ms: float, k: int) -> str:
+    """The API key of ``method``'s ``k``-th repeat at ``rtt_ms`` in the ``tag`` block (the first keeps the
+    one-run name)."""
+    return f"{tag}-{method}-{rtt_ms:g}" + (f"-r{k}" if k else "")
 
 
 def merged(repeats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -288,7 +298,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
                     "(models.lowest_ids_vocab; 0: the whole vocabulary)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each task per method in bf16, in alternating order (the VM's speed drifts from "
-                    "minute to minute: benchmarks/cross_core.py); a task's model time is their mean")
+                    "minute to minute: benchmarks/cross_core.py); a task's model time is their mean. Each repeat has its "
+                    "own client and API key, so none copies an earlier run's answer")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 lossless check")
     ap.add_argument("--no-completion", action="store_true", help="skip the 0.5B's own task runs (tasks_correct)")
     ap.add_argument("--cold-agent-prefix", action="store_true",
@@ -357,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   draft_vocab=args.int4_draft_vocab or None)
     for key in local_drafters(methods, args, client=True):
         drafters[key] = models.load_model(getattr(args, f"{key}_drafter"), device="cpu", dtype="bfloat16")
-    keys = [a for tag in ("bf16", "fp32", "small") for m in methods for r in rtts for a in ("--api-key",
-                                                                                          f"{tag}-{m}-{r:g}")]
+    keys = [a for tag in ("bf16", "fp32", "small") for m in methods for r in rtts for k in range(args.repeats)
+            for a in ("--api-key", repeat_key(tag, m, r, k))]
     result: dict[str, Any] = {"rtt": {}, "runs": {}}
     t0 = time.perf_counter()
     with verifiers("bfloat16", keys, methods, args) as srvs:

@@ -30,6 +30,15 @@ def test_command_line_picks_methods_and_refuses_what_it_cannot_run(tmp_path, cap
         assert says in capsys.readouterr().err
 
 
+def test_each_repeat_has_its_own_api_key_so_none_copies_an_earlier_runs_answer() -> None:
+    from benchmarks.agent import repeat_key
+
+    keys = [repeat_key("bf16", m, rtt, k) for m in ("server", "auto") for rtt in (0.0, 20.0) for k in range(3)]
+    assert len(set(keys)) == len(keys)
+    assert repeat_key("bf16", "auto", 20.0, 0) == "bf16-auto-20"  # a single run keeps its name
+    assert repeat_key("bf16", "auto", 20.0, 1) == "bf16-auto-20-r1"
+
+
 def test_training_benchmark_refuses_a_pair_recipe_without_the_pair(capsys) -> None:
     from benchmarks.train import main
 
