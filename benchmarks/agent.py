@@ -165,7 +165,7 @@ def run_rtt(srvs: dict[str, Verifier], rtt_ms: float, methods: tuple[str, ...], 
     with contextlib.ExitStack() as stack:
         urls = {k: f"http://127.0.0.1:{stack.enter_context(DelayProxy('127.0.0.1', v.port, rtt_ms / 2e3)).port}"
                 if rtt_ms else v.url for k, v in srvs.items()}
-        repeats = args.repeats if tag == "bf16" else 1  # fp32 checks losslessness: one run is the check
+        repeats = repeats_in(tag, args)
         # one client and API key per repeat, kept across tasks: a repeat must not copy its own earlier answer
         # from the copy indexes (the server's per key, the client's per client), which plain cannot do
         chat = [{m: make_model(urls[SERVER_OF.get(m, "main")], m, repeat_key(tag, m, rtt_ms, k), drafters, args)
@@ -187,6 +187,12 @@ def run_rtt(srvs: dict[str, Verifier], rtt_ms: float, methods: tuple[str, ...], 
                 f"{m}={runs[m][task.id]['model_s']:.1f}s"
                 f"{'' if runs[m][task.id]['transcript'] == ref['transcript'] else '(differs)'}" for m in methods))
     return runs
+
+
+def repeats_in(tag: str, args: Any) -> int:
+    """Runs of each task per method in the ``tag`` block: ``--repeats`` in bf16, one elsewhere (fp32 checks
+    losslessness, where one run is the check)."""
+    return args.repeats if tag == "bf16" else 1
 
 
 def repeat_key(tag: str, method: str, rtt_ms: float, k: int) -> str:
@@ -368,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   draft_vocab=args.int4_draft_vocab or None)
     for key in local_drafters(methods, args, client=True):
         drafters[key] = models.load_model(getattr(args, f"{key}_drafter"), device="cpu", dtype="bfloat16")
-    keys = [a for tag in ("bf16", "fp32", "small") for m in methods for r in rtts for k in range(args.repeats)
+    keys = [a for tag in ("bf16", "fp32", "small") for m in methods for r in rtts for k in range(repeats_in(tag, args))
             for a in ("--api-key", repeat_key(tag, m, r, k))]
     result: dict[str, Any] = {"rtt": {}, "runs": {}}
     t0 = time.perf_counter()
