@@ -1,5 +1,6 @@
 """agentspec's CPU attention (SDPA reading grouped key/value heads in place) computes what transformers' SDPA
-path computes, bit for bit: chains over a cache, trees under their mask, one-token steps, packed batches."""
+path computes, bit for bit: chains over a cache, trees under their mask, one-token steps, packed batches
+(bf16 over long contexts: up to a last bit in a few elements)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,22 @@ def test_load_model_runs_cpu_inference_models_on_it(tmp_path):
     assert loaded.model.config._attn_implementation == attention_name()
     trainable = models.load_model(str(tmp_path), device="cpu", dtype="float32", pack_linears=False)
     assert trainable.model.config._attn_implementation == "sdpa"  # a model to train keeps transformers' own
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grouped_rows_attend_as_repeated_heads_do_over_an_agents_context(dtype):
+    """A 1.5B's heads (12 query, 2 key/value, 128 wide) over 1,800 cached tokens and a 12-node tree: each
+    key/value head's query heads as rows of one head give what repeating the key/value heads gives."""
+    from agentspec.models.attention import _grouped_rows
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 12, 12, 128, dtype=dtype)
+    k, v = torch.randn(1, 2, 1812, 128, dtype=dtype), torch.randn(1, 2, 1812, 128, dtype=dtype)
+    mask, _ = tree_attention([-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7], 1800, 0, dtype, "cpu")
+    stock = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(6, 1), v.repeat_interleave(6, 1),
+                                                             attn_mask=mask).transpose(1, 2)
+    ours = _grouped_rows(q, k, v, mask, 0.0, None)
+    if dtype == torch.float32:
+        assert torch.equal(ours, stock)
+    else:
+        torch.testing.assert_close(ours, stock, atol=1e-4, rtol=1e-2)
