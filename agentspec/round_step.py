@@ -128,18 +128,7 @@ def commit_round(seq: Sequence, proposal: DraftProposal, logits: torch.Tensor, n
 def observe_round(policy: Any, proposal: DraftProposal, outcome: RoundOutcome, verify_s: float | None,
                   draft_s: float) -> None:
     """Feed a round to a draft-length policy (:class:`agentspec.router.DraftLengthPolicy`): only the free
-    draft tokens count towards acceptance (:func:`observed_acceptance`);
+    draft tokens count towards acceptance (:meth:`DraftProposal.free_acceptance`);
     ``verify_s`` is None when the pass's time does not measure this round alone (a prefill, a batch)."""
-    free, reached, accepted = observed_acceptance(proposal, outcome.path_depth, outcome.num_accepted)
+    free, reached, accepted = proposal.free_acceptance(outcome.path_depth, outcome.num_accepted)
     policy.observe(free, reached, accepted, verify_s, draft_s, pass_tokens=len(proposal))
-
-
-def observed_acceptance(proposal: DraftProposal, reached: int, accepted: int) -> tuple[int, int, int]:
-    """(drafted, reached, accepted) of a round's *free* draft tokens, for the γ policy's estimates.
-
-    Forced tokens are not the policy's choice and are accepted almost surely; counting them would
-    inflate α. When the target rejects a forced token the free tokens were never reached."""
-    f = proposal.num_forced
-    if accepted < f:
-        return len(proposal) - f, 0, 0
-    return len(proposal) - f, max(reached - f, 0), accepted - f

@@ -94,6 +94,11 @@ def check_parents(parents: Sequence[int], num_tokens: int) -> None:
                              "(topological order, so no cycles)")
 
 
+# what the target took of an edge round's draft, for the router (agentspec.client.run.Run.taken): the free
+# positions of its main path (γ), reached and accepted along the target's path; and its main path's survival
+Taken = tuple[tuple[int, int, int], tuple[int, int]]
+
+
 @dataclass(frozen=True)
 class DraftProposal:
     """Draft tokens: a chain or a tree, in topological order.
@@ -152,6 +157,44 @@ class DraftProposal:
             nodes.append(node)
             node = first.get(node)
         return nodes
+
+    def depth_along(self, tokens: Sequence[int], accepted: int) -> int:
+        """How many draft positions lay along the path the target took, from the tokens a round committed
+        (its ``accepted`` draft tokens, then the target's own next token, if any): the accepted ones, plus
+        the one rejected where the last accepted node (or the root) had children. The client's view of
+        :func:`agentspec.verify.path_depth`: a sibling leaf, or a spine the target took to its end, ends
+        the path without a rejection past it."""
+        children: dict[int, dict[int, int]] = {}
+        for i, p in enumerate(self.parent_list()):
+            children.setdefault(p, {}).setdefault(self.tokens[i], i)
+        node = -1
+        for tok in tokens[:accepted]:
+            if tok not in children.get(node, {}):  # not this draft's path (never for the round it verified)
+                return min(accepted + 1, len(self))
+            node = children[node][tok]
+        return accepted + (1 if node in children and len(tokens) > accepted else 0)
+
+    def spine_acceptance(self, tokens: Sequence[int], guess: int | None = None) -> tuple[int, int]:
+        """(reached, accepted) free positions of the main path (:meth:`spine`), and of ``guess`` after it (the
+        target's next token as a draft made ahead assumed it), along the tokens a round committed. A round
+        whose draft ahead is used must get all of them: a sibling leaf taken counts as a miss here."""
+        path = [*self.spine_tokens(), *(() if guess is None else (guess,))]
+        k = 0
+        while k < min(len(path), len(tokens)) and tokens[k] == path[k]:
+            k += 1
+        reached = k + 1 if k < len(path) and len(tokens) > k else k
+        f = self.num_forced
+        return (0, 0) if k < f else (reached - f, k - f)
+
+    def free_acceptance(self, reached: int, accepted: int) -> tuple[int, int, int]:
+        """(drafted, reached, accepted) of the round's *free* draft tokens, for the γ policy's estimates
+        (``reached``: :meth:`depth_along`). Forced tokens are not the policy's choice and are accepted
+        almost surely; counting them would inflate α. When the target rejects a forced token the free
+        tokens were never reached."""
+        f = self.num_forced
+        if accepted < f:
+            return len(self) - f, 0, 0
+        return len(self) - f, max(reached - f, 0), accepted - f
 
     def spine_tokens(self) -> list[int]:
         """The tokens of :meth:`spine`'s nodes."""

@@ -47,6 +47,16 @@ class SegmentStats:
     probe: bool = False  # the router ran this mode to re-measure it (a short segment: ModeConfig.probe_tokens)
     catchup_s: float = 0.0  # the local model drafter's prefill of tokens it had not seen (edge; not in draft_s)
 
+    def add_round(self, tokens: int, drafted: int, accepted: int, server_s: float, draft_s: float) -> None:
+        """Count one round: the tokens it committed, its draft and what the target took of it, the server's
+        compute and the local drafting on its critical path."""
+        self.rounds += 1
+        self.tokens += tokens
+        self.drafted += drafted
+        self.accepted += accepted
+        self.server_s += server_s
+        self.draft_s += draft_s
+
 
 @dataclass
 class ClientStats:

@@ -14,7 +14,7 @@ from agentspec.drafters.base import Drafter
 from agentspec.protocol import Draft, Generate, OpenSession, RoundReply, Sampling, SessionInfo, VerifyRound
 from agentspec.text import StopStrings
 from agentspec.toolcalls import ToolCallParser
-from agentspec.types import DraftProposal, SamplingParams
+from agentspec.types import DraftProposal, SamplingParams, Taken
 
 
 class Run:
@@ -97,6 +97,18 @@ class Run:
         """A server-side segment (``server`` drafting with ``drafter``, or ``server-ar``)."""
         return Generate(base_len=len(self.tokens), mode=mode, sampling=self.wire_sampling,
                         max_new_tokens=max_new_tokens, drafter=drafter if mode == "server" else "default").to_wire()
+
+    def taken(self, prop: DraftProposal, reply: RoundReply) -> Taken:
+        """What the target took of an edge round's draft ``prop`` (before :meth:`apply`), for the router: its
+        γ (the free positions of its main path: what the policy chose, sibling leaves and forced tokens riding
+        along) and its free positions along the target's path (γ, reached, accepted); and the survival of
+        its main path and of the guess after it that this round's draft ahead made, if any (reached,
+        accepted)."""
+        spine = len(prop.spine())
+        ahead = self.ahead[0] if self.ahead is not None else ()
+        guess = ahead[-1] if len(ahead) == len(self.tokens) + spine + 1 else None
+        _, reached, accepted = prop.free_acceptance(prop.depth_along(reply.tokens, reply.accepted), reply.accepted)
+        return (spine - prop.num_forced, reached, accepted), prop.spine_acceptance(reply.tokens, guess)
 
     def apply(self, reply: RoundReply) -> list[Any]:
         """Commit a round's tokens; return the events they make final. Sets :attr:`round_kind`."""

@@ -30,7 +30,7 @@ from agentspec.drafters.grammar import warm_grammar_tokenizer
 from agentspec.protocol import SERVER_DRAFTERS, RoundReply, SessionInfo, Tokenize
 from agentspec.router import ModeConfig, ModePolicy
 from agentspec.transport import HTTPTransport, ResendPrefix, Timed, VerifierError, VerifierUnavailable
-from agentspec.types import SamplingParams
+from agentspec.types import DraftProposal, SamplingParams
 
 MODES = ("auto", "edge", "server", "server-ar", "vllm", "api")
 Event = TextEvent | PreviewEvent | ToolCallEvent | FinalEvent
@@ -241,7 +241,7 @@ class SpecClient:
                     edge.landed(r.wall_s)
                 else:
                     r = yield post
-                yield from self._commit(run, seg, r, draft_s, fresh)
+                yield from self._commit(run, seg, r, draft_s, fresh, prop)
         finally:  # a segment cut short by a failing verifier still reports the tokens it committed
             self._segment_done(run, seg, t0)
 
@@ -272,20 +272,18 @@ class SpecClient:
         return SegmentStats(mode, 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions), run.kind,
                             probe=run.mode == "auto" and self.policy.probing == mode)
 
-    def _commit(self, run: Run, seg: SegmentStats, timed: Timed, draft_s: float, fresh: int = 0) -> list[Any]:
-        """Count a round's reply, tell the router, commit its tokens; return the events they make final."""
+    def _commit(self, run: Run, seg: SegmentStats, timed: Timed, draft_s: float, fresh: int = 0,
+                prop: DraftProposal | None = None) -> list[Any]:
+        """Count a round's reply (to ``prop``, an edge round's draft), tell the router, commit its tokens;
+        return the events they make final."""
         reply = RoundReply.model_validate(timed.body)
+        taken = run.taken(prop, reply) if prop is not None else None
         server_s = (reply.timings.verify_ms + reply.timings.draft_ms) / 1e3
-        seg.rounds += 1
-        seg.tokens += len(reply.tokens)
-        seg.drafted += reply.drafted
-        seg.accepted += reply.accepted
-        seg.server_s += server_s
-        seg.draft_s += draft_s
+        seg.add_round(len(reply.tokens), reply.drafted, reply.accepted, server_s, draft_s)
         events = run.apply(reply)
         self.policy.observe_round(seg.mode, reply.drafted, reply.accepted, len(reply.tokens), wall_s=timed.wall_s,
                                   server_s=server_s, verify_s=reply.timings.verify_ms / 1e3, draft_s=draft_s,
-                                  waiting=reply.load.waiting, kind=run.round_kind, fresh=fresh)
+                                  waiting=reply.load.waiting, kind=run.round_kind, fresh=fresh, taken=taken)
         return events
 
     def _segment_done(self, run: Run, seg: SegmentStats, t0: float) -> None:

@@ -37,6 +37,8 @@ class DraftLengthPolicy:
     min_probe: int = 1
     min_kind_rounds: int = 4
     by_kind: dict[str, AcceptanceEstimator] = field(default_factory=dict)
+    # per kind, the main path's own survival (a tree's sibling leaf taken ends it): the draft ahead's odds
+    spine_by_kind: dict[str, AcceptanceEstimator] = field(default_factory=dict)
     _zero_streak: int = 0
     last_rates: dict[int, float] = field(default_factory=dict)
 
@@ -44,6 +46,14 @@ class DraftLengthPolicy:
         """The estimator for ``kind`` when it has enough rounds, else the pooled one."""
         own = self.by_kind.get(kind)
         return own if own is not None and own.reached and own.reached[0] >= self.min_kind_rounds else self.acceptance
+
+    def spine_survival(self, kind: str = "text") -> AcceptanceEstimator:
+        """Per-position survival of the draft's main path and the guess after it, for ``kind`` (once it has
+        ``min_kind_rounds`` rounds; else :meth:`current_acceptance`, the same for chains)."""
+        own = self.spine_by_kind.get(kind)
+        if own is not None and own.reached and own.reached[0] >= self.min_kind_rounds:
+            return own
+        return self.current_acceptance(kind)
 
     @classmethod
     def from_calibration(cls, seconds_by_pass_len: Mapping[int, float], **kwargs: object) -> DraftLengthPolicy:
@@ -69,7 +79,7 @@ class DraftLengthPolicy:
         ahead = self._ahead(gamma_max, t_d) if pipelined and not drafted else None
         for gamma in range(min(at_least, gamma_max), gamma_max + 1):
             if ahead is not None:
-                self.last_rates[gamma] = self._pipelined_rate(acceptance, gamma, ahead, t_d)
+                self.last_rates[gamma] = self._pipelined_rate(acceptance, gamma, ahead, t_d, self.spine_survival(kind))
                 continue
             t = max(gamma - drafted, 0) * t_d + (self.costs.seconds(gamma) or 0.0)
             self.last_rates[gamma] = acceptance.expected_tokens(gamma) / t if t > 0 else 0.0
@@ -88,12 +98,13 @@ class DraftLengthPolicy:
             return None
         return min(gamma_max, max(int(wall / t_d) - 1, 0))
 
-    def _pipelined_rate(self, acceptance: AcceptanceEstimator, gamma: int, ahead: int, t_d: float) -> float:
+    def _pipelined_rate(self, acceptance: AcceptanceEstimator, gamma: int, ahead: int, t_d: float,
+                        survival: AcceptanceEstimator | None = None) -> float:
         """Tokens per second of rounds alternating, as a two-state Markov chain, between fresh rounds of
         ``gamma`` (drafted on the critical path) and rounds whose ``ahead`` tokens were drafted in flight. A
-        round leads to a ready one when all its draft and the guess after it are the target's tokens
-        (``Π c_i`` over its draft and one more position); else the next round drafts afresh."""
-        cond = acceptance.conditional(max(gamma, ahead) + 1)
+        round leads to a ready one when all its main path and the guess after it are the target's tokens
+        (``Π c_i`` of ``survival`` over its draft and one more position); else the next round drafts afresh."""
+        cond = (survival or acceptance).conditional(max(gamma, ahead) + 1)
 
         def carried(n: int) -> float:
             p = 1.0
@@ -111,10 +122,12 @@ class DraftLengthPolicy:
 
     def observe(self, drafted: int, reached: int, accepted: int, verify_s: float | None,
                 draft_s: float | None = None, pass_tokens: int | None = None, kind: str = "text",
-                fresh: int | None = None) -> None:
+                fresh: int | None = None, spine: tuple[int, int] | None = None) -> None:
         """Feed back one round: ``verify_s`` only for decode-time passes (not prefill); ``draft_s`` the
         drafting on the round's critical path (0 for a draft made while the round before was in flight);
-        ``fresh`` the tokens drafted there (default: all ``drafted`` when ``draft_s`` is not 0, else none).
+        ``fresh`` the tokens drafted there (default: all ``drafted`` when ``draft_s`` is not 0, else none);
+        ``spine``: (reached, accepted) of its main path and the guess drafted after it, where they differ
+        from the path the target took (a tree; :meth:`~agentspec.types.DraftProposal.spine_acceptance`).
 
         Counts are of the tokens the policy chose (not grammar-forced ones); ``pass_tokens`` is the draft's
         full size when forced tokens rode along (default ``drafted``)."""
@@ -125,6 +138,9 @@ class DraftLengthPolicy:
             own = self.by_kind.setdefault(kind, AcceptanceEstimator(self.acceptance.prior_alpha,
                                                                      self.acceptance.prior_weight))
             own.observe(reached, accepted)
+        if spine is not None and spine[0]:
+            self.spine_by_kind.setdefault(kind, AcceptanceEstimator(self.acceptance.prior_alpha,
+                                                                    self.acceptance.prior_weight)).observe(*spine)
         if drafted and draft_s is not None:
             self.draft_seconds_per_token = ema(self.draft_seconds_per_token or None, draft_s / drafted, 0.2)
             fresh = (drafted if draft_s > 0 else 0) if fresh is None else min(fresh, drafted)

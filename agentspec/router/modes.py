@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import agentspec.router.costs as costs
 from agentspec.router.estimators import ChainReplay, LinearCost, ema
 from agentspec.router.gamma import DraftLengthPolicy
+from agentspec.types import Taken
 
 SHADOWABLE = ("edge", "server")  # the modes whose chain drafters can be replayed over committed text
 
@@ -268,10 +269,8 @@ class ModePolicy:
         :meth:`DraftLengthPolicy.choose`). An edge probe drafts: where the draft length policy turned
         drafting off (from a few rounds, say a warm-up's), a probe at γ = 0 would only measure plain steps
         through edge mode, and edge would never be seen to pay."""
-        if mode != "edge":
-            return gamma_max
-        return self.edge.choose(gamma_max, kind, drafted, at_least=1 if self.probing == "edge" else 0,
-                                pipelined=pipelined)
+        at_least = 1 if self.probing == "edge" else 0
+        return gamma_max if mode != "edge" else self.edge.choose(gamma_max, kind, drafted, at_least, pipelined)
 
     def observe_catchup(self, tokens: int, seconds: float) -> None:
         """A catch-up prefill of the local model drafter: ``tokens`` fed at once in ``seconds``."""
@@ -284,10 +283,11 @@ class ModePolicy:
 
     def observe_round(self, mode: str, drafted: int, accepted: int, emitted: int, *, wall_s: float,
                       server_s: float, verify_s: float, draft_s: float, waiting: int | None = None,
-                      kind: str = "text", fresh: int | None = None) -> None:
+                      kind: str = "text", fresh: int | None = None, taken: Taken | None = None) -> None:
         """One round's reply as the client saw it; ``wall_s`` is the request's wall time (drafting excluded),
         ``waiting`` the server's queue when it reported its load, ``kind`` what the round drafted, ``fresh``
-        the tokens drafted on its critical path (in ``draft_s``; the rest were drafted ahead)."""
+        the tokens drafted on its critical path (in ``draft_s``; the rest were drafted ahead), ``taken`` what the
+        target took of an edge round's draft (:meth:`~agentspec.client.run.Run.taken`; default: a chain)."""
         if waiting is not None:
             self.server_waiting = int(waiting)
         if verify_s > 0:
@@ -299,8 +299,8 @@ class ModePolicy:
         if mode == "edge":
             self.rtt = ema(self.rtt, max(wall_s - server_s, 0.0), self.config.ema)
             self._rtt_open_at_edge = self.rtt_open
-            reached = min(drafted, accepted + 1)
-            self.edge.observe(drafted, reached, accepted, max(wall_s, 1e-6), draft_s, kind=kind, fresh=fresh)
+            (gamma, reached, took), spine = taken or ((drafted, min(drafted, accepted + 1), accepted), None)
+            self.edge.observe(gamma, reached, took, max(wall_s, 1e-6), draft_s, kind=kind, fresh=fresh, spine=spine)
 
     def _observe_round_counts(self, mode: str, kind: str, tokens: int, drafted: int) -> None:
         """(E[A], γ̄) of ``mode``, in all and in ``kind``: decayed sums of tokens, drafts and rounds (a ratio

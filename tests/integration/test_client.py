@@ -92,6 +92,20 @@ def test_sibling_leaves_at_the_edge_are_lossless(target, reference, pipeline):
     assert (sum(s.pipelined for s in final.stats.segments) > 0) is pipeline
 
 
+def test_edge_trees_teach_the_router_acceptance_only_where_they_drafted(server, target, reference):
+    """The target drafts for itself with a sibling leaf at each position (tree_width=2): the target takes
+    every spine whole. The γ policy's per-position acceptance must then see no rejection at all; counting
+    each tree's nodes as its depth recorded one past every spine, and held γ at the depth it last had."""
+    policy = ModePolicy()
+    client = SpecClient(server.url, drafter=ModelDrafter(target, tree_width=2), tokenizer=target.tokenizer,
+                        mode="edge", segment_tokens=8, policy=policy)
+    final = client.generate(MESSAGES, max_tokens=MAX)
+    client.close()
+    assert final.tokens == reference
+    seen = policy.edge.acceptance
+    assert seen.reached and seen.accepted == seen.reached, (seen.reached, seen.accepted)
+
+
 def test_auto_probes_run_short_segments_and_stay_lossless(server, target, reference):
     """A probe re-measures a mode on ``probe_tokens`` tokens, not a whole segment (a losing probe is cheap);
     other segments run the client's length; the output is plain greedy's."""

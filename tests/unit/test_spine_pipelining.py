@@ -81,3 +81,64 @@ def test_sibling_leaves_leave_the_output_plain_greedy(target, wrong_drafter_mode
         drafter = ModelDrafter(target if drafter_is_target else wrong_drafter_model, tree_width=2)
         out = SpecEngine(target, drafter, num_draft_tokens=4).generate(prompt, SamplingParams(max_new_tokens=40))
         assert out.tokens == plain_greedy(target, prompt, 40)
+
+
+@pytest.mark.parametrize(("committed", "accepted", "depth"), [
+    ((10, 11, 12, 99), 3, 3),  # the whole spine, then the target's own token: no position past the spine
+    ((10, 21, 99), 2, 2),  # a sibling leaf taken: the path ends there, nothing after it was drafted
+    ((10, 11, 99), 2, 3),  # rejected at the third position
+    ((99,), 0, 1),  # rejected at the first
+    ((10, 11), 2, 2),  # cut short (a stop, the token limit): no next token was judged
+])
+def test_the_client_reads_a_trees_depth_along_the_targets_path_as_the_server_does(committed, accepted, depth):
+    """An edge round's reply says how many draft tokens the target took, not which nodes: the client walks its
+    own tree along the committed tokens (:meth:`DraftProposal.depth_along`), as :func:`path_depth` does on the
+    server with the verify result."""
+    from agentspec.types import VerifyResult
+    from agentspec.verify import path_depth
+
+    assert SIBLINGS.depth_along(committed, accepted) == depth
+    nodes, node = [], -1
+    for tok in committed[:accepted]:
+        node = next(i for i, p in enumerate(SIBLINGS.parents) if p == node and SIBLINGS.tokens[i] == tok)
+        nodes.append(node)
+    nxt = committed[accepted] if len(committed) > accepted else None
+    leaf = not any(p == node for p in SIBLINGS.parents)
+    result = VerifyResult(tuple(nodes), tuple(committed[:accepted]), nxt, bonus=leaf and nxt is not None)
+    assert path_depth(SIBLINGS.parents, result) == depth
+
+
+def test_an_edge_round_counts_only_the_free_positions_it_drafted_toward_acceptance():
+    """The router's γ policy learns per-position acceptance from edge rounds. A width-2 tree of depth 3 has 6
+    nodes: a spine taken whole must not count a rejection at position 4 (``min(drafted, accepted + 1)`` did,
+    every round, so the estimate fell right past the depth γ last had, and γ stayed there); forced tokens
+    are not the policy's positions."""
+    policy = ModePolicy()
+    for _ in range(6):
+        _, reached, accepted = SIBLINGS.free_acceptance(SIBLINGS.depth_along((10, 11, 12, 99), 3), 3)
+        policy.observe_round("edge", len(SIBLINGS), 3, 4, wall_s=0.4, server_s=0.38, verify_s=0.38, draft_s=0.0,
+                             taken=((len(SIBLINGS.spine()), reached, accepted), (3, 3)))
+    assert policy.edge.acceptance.reached == policy.edge.acceptance.accepted == [6, 6, 6]
+    assert set(policy.edge.costs.observed) == {3}  # the pass's cost is the γ of 3 it carried, leaves and all
+    assert policy.edge.acceptance.conditional(5)[3] > 0.9  # position 4 inherits, never seen rejected
+    forced = DraftProposal(tokens=(5, 6, 10, 11), num_forced=2)
+    assert forced.free_acceptance(forced.depth_along((5, 6, 10, 99), 3), 3) == (2, 2, 1)
+    assert forced.free_acceptance(forced.depth_along((5, 99), 1), 1) == (2, 0, 0)  # a forced token rejected
+
+
+def test_a_sibling_leaf_taken_is_path_acceptance_but_breaks_the_spines_hypothesis():
+    """A width-2 tree's sibling leaf, when the target takes it, adds a token to the round (path acceptance) but
+    the round after it is drafted afresh: the draft ahead assumed the spine. The pipelined γ model weighs its
+    odds by the spine's survival, and the guess after the spine is one more position of it."""
+    committed = (10, 21, 99)
+    assert SIBLINGS.free_acceptance(SIBLINGS.depth_along(committed, 2), 2) == (6, 2, 2)
+    assert SIBLINGS.spine_acceptance(committed) == (2, 1)
+    assert SIBLINGS.spine_acceptance((10, 11, 12, 13), guess=13) == (4, 4)  # spine and guess right: ready
+    assert SIBLINGS.spine_acceptance((10, 11, 12, 14), guess=13) == (4, 3)
+    assert SIBLINGS.spine_acceptance((10, 11, 12, 14)) == (3, 3)  # no draft ahead: the guess is not judged
+    policy = ModePolicy()
+    for _ in range(8):
+        policy.observe_round("edge", len(SIBLINGS), 2, 3, wall_s=0.4, server_s=0.38, verify_s=0.38, draft_s=0.0,
+                             taken=((3, 2, 2), SIBLINGS.spine_acceptance(committed)))
+    assert policy.edge.current_acceptance("text").conditional(2)[1] > 0.8  # the leaf's token was taken
+    assert policy.edge.spine_survival("text").conditional(2)[1] < 0.2  # but never the spine's second
