@@ -44,16 +44,17 @@ class DraftLengthPolicy:
 
     def current_acceptance(self, kind: str = "text") -> AcceptanceEstimator:
         """The estimator for ``kind`` when it has enough rounds, else the pooled one."""
-        own = self.by_kind.get(kind)
-        return own if own is not None and own.reached and own.reached[0] >= self.min_kind_rounds else self.acceptance
+        return self._own(self.by_kind, kind) or self.acceptance
 
     def spine_survival(self, kind: str = "text") -> AcceptanceEstimator:
         """Per-position survival of the draft's main path and the guess after it, for ``kind`` (once it has
         ``min_kind_rounds`` rounds; else :meth:`current_acceptance`, the same for chains)."""
-        own = self.spine_by_kind.get(kind)
-        if own is not None and own.reached and own.reached[0] >= self.min_kind_rounds:
-            return own
-        return self.current_acceptance(kind)
+        return self._own(self.spine_by_kind, kind) or self.current_acceptance(kind)
+
+    def _own(self, table: dict[str, AcceptanceEstimator], kind: str) -> AcceptanceEstimator | None:
+        """``kind``'s estimator in ``table`` once it has ``min_kind_rounds`` rounds."""
+        own = table.get(kind)
+        return own if own is not None and own.reached and own.reached[0] >= self.min_kind_rounds else None
 
     @classmethod
     def from_calibration(cls, seconds_by_pass_len: Mapping[int, float], **kwargs: object) -> DraftLengthPolicy:
@@ -74,12 +75,12 @@ class DraftLengthPolicy:
         if self.costs.seconds(0) is None:
             return gamma_max  # nothing measured yet: draft fully, observe, then adapt
         self.last_rates = {}
-        acceptance = self.current_acceptance(kind)
+        acceptance, survival = self.current_acceptance(kind), self.spine_survival(kind)
         t_d = self.fresh_seconds_per_token or self.draft_seconds_per_token
         ahead = self._ahead(gamma_max, t_d) if pipelined and not drafted else None
         for gamma in range(min(at_least, gamma_max), gamma_max + 1):
             if ahead is not None:
-                self.last_rates[gamma] = self._pipelined_rate(acceptance, gamma, ahead, t_d, self.spine_survival(kind))
+                self.last_rates[gamma] = self._pipelined_rate(acceptance, gamma, ahead, t_d, survival)
                 continue
             t = max(gamma - drafted, 0) * t_d + (self.costs.seconds(gamma) or 0.0)
             self.last_rates[gamma] = acceptance.expected_tokens(gamma) / t if t > 0 else 0.0
@@ -135,14 +136,15 @@ class DraftLengthPolicy:
             self.costs.observe(drafted if pass_tokens is None else pass_tokens, verify_s)
         if reached:
             self.acceptance.observe(reached, accepted)
-            own = self.by_kind.setdefault(kind, AcceptanceEstimator(self.acceptance.prior_alpha,
-                                                                     self.acceptance.prior_weight))
-            own.observe(reached, accepted)
+            self._kind_estimator(self.by_kind, kind).observe(reached, accepted)
         if spine is not None and spine[0]:
-            self.spine_by_kind.setdefault(kind, AcceptanceEstimator(self.acceptance.prior_alpha,
-                                                                    self.acceptance.prior_weight)).observe(*spine)
+            self._kind_estimator(self.spine_by_kind, kind).observe(*spine)
         if drafted and draft_s is not None:
             self.draft_seconds_per_token = ema(self.draft_seconds_per_token or None, draft_s / drafted, 0.2)
             fresh = (drafted if draft_s > 0 else 0) if fresh is None else min(fresh, drafted)
             if fresh > 0:
                 self.fresh_seconds_per_token = ema(self.fresh_seconds_per_token or None, draft_s / fresh, 0.2)
+
+    def _kind_estimator(self, table: dict[str, AcceptanceEstimator], kind: str) -> AcceptanceEstimator:
+        """``kind``'s estimator in ``table``, made with the pooled one's prior the first time."""
+        return table.setdefault(kind, AcceptanceEstimator(self.acceptance.prior_alpha, self.acceptance.prior_weight))
