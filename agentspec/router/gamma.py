@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from agentspec.router.estimators import AcceptanceEstimator, CostCurve, ema
+from agentspec.router.estimators import AcceptanceEstimator, CostCurve, LinearCost, ema
 
 
 @dataclass
@@ -29,7 +29,10 @@ class DraftLengthPolicy:
     there more often.
     """
 
-    costs: CostCurve = field(default_factory=CostCurve)
+    # a calibrated curve (one EMA per γ), or a line fitted over every pass (:class:`LinearCost`): where γ
+    # moves from round to round (an edge client's), one EMA per γ goes stale at the γs the policy stops
+    # choosing, and a stale high cost there keeps it from ever choosing them again
+    costs: CostCurve | LinearCost = field(default_factory=CostCurve)
     acceptance: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     draft_seconds_per_token: float = 0.0  # critical-path drafting per drafted token, rounds drafted ahead too
     fresh_seconds_per_token: float = 0.0  # per token drafted on the critical path: what one more costs

@@ -94,7 +94,7 @@ class ModePolicy:
     seconds_per_token: dict[str, float] = field(default_factory=dict)
     last_used: dict[tuple[str, str], int] = field(default_factory=dict)  # (mode, kind) -> the segment it last ran
     last_predictions: dict[str, float] = field(default_factory=dict)
-    edge: DraftLengthPolicy = field(default_factory=lambda: DraftLengthPolicy(probe_every=8))
+    edge: DraftLengthPolicy = field(default_factory=lambda: DraftLengthPolicy(costs=LinearCost(), probe_every=8))
     current: str | None = None
     segments: int = 0
     server_waiting: int = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from agentspec.router import DraftLengthPolicy
+from agentspec.router import DraftLengthPolicy, ModePolicy
 
 T_D = 0.049  # a drafting step of an int4 0.5B on one core
 
@@ -95,3 +95,18 @@ def test_rounds_drafted_ahead_do_not_cheapen_fresh_drafting():
     # a round drafted ahead and then extended: its seconds are the extension's tokens'
     policy.observe(drafted=6, reached=6, accepted=6, verify_s=0.33, draft_s=2 * T_D, fresh=2)
     assert abs(policy.fresh_seconds_per_token - T_D) < 1e-9
+
+
+def test_an_edge_policys_pass_costs_follow_the_lengths_it_stopped_choosing():
+    """An edge round's γ moves from round to round. One EMA per γ kept the cost of an early, slow pass (a
+    cold first round, a busy minute on a shared host) at a γ the policy then judged too dear and so never
+    measured again: γ = 0 stayed at 0.49 s while plain steps took 0.30, and after a miss the pipelined policy
+    never weighed a plain step with the drafter drafting ahead meanwhile. The edge policy fits one line over
+    every pass, so passes at the γs it does choose move its cost at all of them."""
+    edge = ModePolicy().edge
+    edge.costs.observe(0, 0.49)
+    for _ in range(40):
+        for gamma in (4, 5, 6):
+            edge.costs.observe(gamma, _wall(gamma) - 0.03)
+    assert abs(edge.costs.seconds(0) - (_wall(0) - 0.03)) < 0.02
+    assert edge.costs.seconds(0) < edge.costs.seconds(4) < edge.costs.seconds(6)
