@@ -32,7 +32,7 @@ class ModeConfig:
     max_probe_every: int = 128
     probe_margin: float = 0.25
     probe_tokens: int = 8  # a probe segment's most tokens: a losing probe costs these, not a whole segment
-    trial_rounds: int = 4  # rounds of trials (after a probe, or on older text) before a switch is made for good
+    trial_rounds: int = 12  # rounds of trials before a switch is made for good: as many as an estimate rests on
     busy_penalty: float = 1.25
     ema: float = 0.3
     correction_ema: float = 0.15  # slower: one segment's wall time scatters by 10-20 % on a busy CPU

@@ -30,6 +30,15 @@ def _edge_after_server_in_tool_calls() -> router.ModePolicy:
     return policy
 
 
+def _winning_trials(policy: router.ModePolicy, rounds: int, kind: str = "tool", tokens: int = 4) -> None:
+    """Trials of server in ``kind`` (two rounds of ``tokens`` each) until their rounds reach ``rounds``: each
+    is chosen as a trial while the incumbent stays current."""
+    while (policy.trial_streak.get(("server", kind)) or 0) < rounds:
+        assert policy.choose(kind=kind) == "server"
+        assert policy.probing == "server" and policy.current == "edge"
+        _rounds(policy, "server", [(kind, tokens, 6, 0.0)] * 2, seg_kind=kind)
+
+
 def test_a_switch_on_an_older_estimate_runs_as_a_trial_and_reverts_when_it_loses():
     policy = _edge_after_server_in_tool_calls()
     assert policy.choose(kind="tool") == "server"
@@ -44,19 +53,26 @@ def test_a_trial_that_holds_up_becomes_a_switch_once_its_rounds_add_up():
     and won, and the switch then ran the call's file content at a token a round for a whole segment. Trials
     go on until they add up to ``trial_rounds`` rounds; one that loses on the way reverts."""
     policy = _edge_after_server_in_tool_calls()
-    assert policy.choose(kind="tool") == "server" and policy.probing == "server"
-    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
-    assert policy.choose(kind="tool") == "server"
-    assert policy.probing == "server" and policy.current == "edge"  # two rounds: another trial
-    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
+    _winning_trials(policy, policy.config.trial_rounds)  # two rounds at a time: trial after trial
     assert policy.choose(kind="tool") == "server"
     assert policy.probing is None and policy.current == "server"
     losing = _edge_after_server_in_tool_calls()
-    assert losing.choose(kind="tool") == "server"
-    _rounds(losing, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
+    _winning_trials(losing, 2)
     assert losing.choose(kind="tool") == "server" and losing.probing == "server"
     _rounds(losing, "server", [("tool", 1, 6, 0.0)] * 8, seg_kind="tool")  # the file's code: no copies
     assert losing.choose(kind="tool") == "edge" and losing.current == "edge"
+
+
+def test_trials_over_a_calls_ids_do_not_switch_before_they_reach_the_calls_prose():
+    """The agent benchmark's order_email at RTT 100 (agent_linear_cost.json): server trials ran the first
+    call's order id, 7 rounds at 63-103 ms a token, and with ``trial_rounds`` at 4 made the switch; server
+    then ran the next call's email body, 48 tokens at 180 and 329 ms a token. Trials must cover as many
+    rounds as an estimate rests on (``round_memory``), which takes them past a call's ids into its prose."""
+    policy = _edge_after_server_in_tool_calls()
+    _winning_trials(policy, 7)  # the order id
+    assert policy.choose(kind="tool") == "server" and policy.probing == "server" and policy.current == "edge"
+    _rounds(policy, "server", [("tool", 1, 6, 0.0)] * 8, seg_kind="tool")  # the email's body: no copies
+    assert policy.choose(kind="tool") == "edge" and policy.current == "edge"
 
 
 def test_a_switch_on_a_newer_estimate_is_immediate():
@@ -83,7 +99,7 @@ def test_a_switch_on_one_winning_probe_runs_as_a_trial_first():
     assert policy.predicted("server", "text") < 0.9 * policy.predicted("edge", "text")
     assert policy.choose(kind="text") == "server"
     assert policy.probing == "server" and policy.current == "edge"  # a trial, not yet a switch
-    _rounds(policy, "server", [("text", 7, 6, 0.0)] * 4, seg_kind="text")  # it wins again, over 4 rounds
+    _winning_trials(policy, policy.config.trial_rounds, kind="text", tokens=7)  # it wins again, trial after trial
     assert policy.choose(kind="text") == "server"
     assert policy.probing is None and policy.current == "server"
     _rounds(policy, "server", [("text", 7, 6, 0.0)] * 4, seg_kind="text")  # a whole segment: no trial after it
@@ -129,8 +145,7 @@ def test_trials_that_measured_the_challenger_dearer_keep_the_incumbent_until_it_
     assert policy.choose(kind="tool") == "server" and policy.scheduled
     _rounds(policy, "server", [("tool", 6, 6, 0.0)] * 2, seg_kind="tool")
     assert policy.trial_cost[("server", "tool")] == (0.0, 0)
-    assert policy.choose(kind="tool") == "server" and policy.probing == "server" and not policy.scheduled
-    _rounds(policy, "server", [("tool", 6, 6, 0.0)] * 4, seg_kind="tool")
+    _winning_trials(policy, policy.config.trial_rounds, tokens=6)
     assert policy.choose(kind="tool") == "server" and policy.current == "server"
 
 
@@ -143,16 +158,20 @@ def test_a_switch_starts_with_probe_length_segments_that_double_while_it_holds_u
     c = policy.config
     assert policy.tenure is None and policy.segment_limit() == c.segment_tokens  # never switched: whole segments
     assert policy.choose(kind="tool") == "server" and policy.segment_limit() == c.probe_tokens  # a trial
-    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 4, seg_kind="tool")
+    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
+    _winning_trials(policy, c.trial_rounds)
     limits = []
-    for _ in range(4):
-        assert policy.choose(kind="tool") == "server" and policy.current == "server" and policy.probing is None
+    while len(limits) < 4:
+        pick = policy.choose(kind="tool")
+        if policy.scheduled:  # edge's probe, due after the trials' many short segments: it loses
+            _rounds(policy, pick, [("tool", 3, 6, 0.05)] * 2, seg_kind="tool")
+            continue
+        assert pick == "server" and policy.current == "server" and policy.probing is None
         limits.append(policy.segment_limit())
         _rounds(policy, "server", [("tool", 4, 6, 0.0)] * (limits[-1] // 4), seg_kind="tool")
     assert limits == [8, 16, 32, 32] and c.probe_tokens == 8 and c.segment_tokens == 32
     losing = _edge_after_server_in_tool_calls()
-    assert losing.choose(kind="tool") == "server"
-    _rounds(losing, "server", [("tool", 4, 6, 0.0)] * 4, seg_kind="tool")
+    _winning_trials(losing, c.trial_rounds)
     assert losing.choose(kind="tool") == "server" and losing.current == "server"
     assert losing.segment_limit() == c.probe_tokens
     _rounds(losing, "server", [("tool", 1, 6, 0.0)] * 8, seg_kind="tool")  # the call's code: no copies
