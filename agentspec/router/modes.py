@@ -65,29 +65,30 @@ class ModeConfig:
 class ModePolicy:
     """Picks the mode of the next segment of a request (design.md's modes) from the closed forms.
 
-    Inputs, all measured online: ``t_v(γ)`` (a :class:`LinearCost` over every reported pass) and ``t_ds``
-    from the server's timings, ``t_d`` from local drafting, RTT from edge rounds (wall − server compute)
-    and session opens (they keep it current while no edge round runs); ``E[A]`` and ``γ̄`` per mode, and
-    per content kind (``"tool"``/``"text"``), from **shadow replays** (:meth:`observe_replays`), so every
-    mode is judged on the *same* text (segment costs are dominated by how predictable the text is), or
-    from the mode's own rounds when not in ``config.shadowed``: each round under its kind (``"tool"`` where
-    it drafted or committed inside JSON: a call's opening fence and brace are as copyable as its
-    arguments, and counted as prose they made a mode look good for prose), as ratios of sums decayed over
-    ``config.round_memory`` rounds, so an answer's prose is not judged on the call before it. A
-    correction per mode and kind (EMA of measured / closed-form seconds per segment it ran) absorbs what
-    the closed forms leave out (edge rounds inside a tool call carry a grammar-cut tree; in prose a chain).
+    Inputs, all measured online: ``t_v(γ)`` (a :class:`LinearCost` over every reported pass) and ``t_ds`` from
+    the server's timings, ``t_d`` per node from edge rounds' critical-path drafting (per kind: the γ̄ of the
+    closed form counts a tree's nodes), RTT from edge rounds (wall − server compute) and session opens (they
+    keep it current while no edge round runs); ``E[A]`` and ``γ̄`` per mode, and per content kind
+    (``"tool"``/``"text"``), from **shadow replays** (:meth:`observe_replays`), so every mode is judged on the
+    *same* text (segment costs are dominated by how predictable the text is), or from the mode's own rounds
+    when not in ``config.shadowed``: each round under its kind (``"tool"`` where it drafted or committed
+    inside JSON: a call's opening fence and brace are as copyable as its arguments, and counted as prose they
+    made a mode look good for prose), as ratios of sums decayed over ``config.round_memory`` rounds, so an
+    answer's prose is not judged on the call before it. A correction per mode and kind (EMA of measured /
+    closed-form seconds per segment it ran) absorbs what the closed forms leave out (edge rounds inside a tool
+    call carry a grammar-cut tree; in prose a chain).
 
     Until a mode's inputs exist its measured seconds per token stands in; a mode never run is tried first.
     Modes judged without running them (shadowed, or server-ar) are never probed; the others every
     ``probe_every`` segments since they last ran in the segment's content kind (a mode run only in tool calls
-    since a warm-up is due in prose), backing off (doubling, up to ``max_probe_every``) per kind while
-    probes in it lose by more than ``probe_margin`` to what the incumbent measured in that kind (its
-    prediction until it has); a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger
-    ``hysteresis`` cheaper, and runs as a probe first where the challenger's estimate in the kind is older
-    than the incumbent's or rests on one probe alone, until its trials add up to ``trial_rounds`` rounds
+    since a warm-up is due in prose), backing off (doubling, up to ``max_probe_every``) per kind while probes
+    in it lose by more than ``probe_margin`` to what the incumbent measured in that kind (its prediction until
+    it has); a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger ``hysteresis``
+    cheaper, and runs as a probe first where the challenger's estimate in the kind is older than the
+    incumbent's or rests on one probe alone, until its trials add up to ``trial_rounds`` rounds
     (:meth:`_on_older_text`); where those trials measured it no cheaper than the incumbent, it waits for its
-    next probe (:meth:`_lost_trials`). A saturated server makes
-    server-side drafting cost ``busy_penalty`` more. ``api`` is never chosen automatically: another model.
+    next probe (:meth:`_lost_trials`). A saturated server makes server-side drafting cost ``busy_penalty``
+    more. ``api`` is never chosen automatically: another model.
     """
 
     config: ModeConfig = field(default_factory=ModeConfig)
@@ -121,6 +122,8 @@ class ModePolicy:
     _rtt_open_at_edge: float | None = None
     t_ds: float | None = None  # server-side draft seconds per token (EMA)
     t_d_shadow: float | None = None  # local draft seconds per token seen in the edge shadow (EMA)
+    # kind -> decayed sums of (seconds, nodes) an edge round drafted on its critical path: t_d per node of γ̄
+    edge_drafting: dict[str, tuple[float, float]] = field(default_factory=dict)
     t_catchup: float | None = None  # the local model drafter's prefill seconds per token it catches up on (EMA)
 
     @property
@@ -174,10 +177,8 @@ class ModePolicy:
 
     def segment_limit(self) -> int:
         """The most tokens of the segment :meth:`choose` just picked: a probe's ``probe_tokens``, and so a
-        switch's first segment's, doubling per segment the new mode stays current (a slow start) up to
-        ``segment_tokens``. A probe and trials can win on a copyable stretch (a call's opening) that the switch
-        then leaves behind (the call's code): the switch is judged again after a probe's tokens, not a
-        segment's. Each extra segment costs a server-side mode a round trip, and an edge one nothing."""
+        switch's first segment's, doubling per segment the new mode stays current up to ``segment_tokens``:
+        a switch won on a copyable stretch (a call's opening) is judged again after a probe's tokens."""
         c = self.config
         if self.probing is not None:
             return min(c.probe_tokens, c.segment_tokens)
@@ -188,10 +189,8 @@ class ModePolicy:
     def _on_older_text(self, pick: str, kind: str) -> bool:
         """Whether switching to ``pick`` would rest on too little or too old text: ``pick`` is judged by its
         own runs and either last ran in ``kind`` before the incumbent did, or its newest runs there were a
-        probe and trials of fewer than ``config.trial_rounds`` rounds in all (a probe's few tokens may all
-        have been a copyable stretch: an id, a call's opening; a trial of two 4-token rounds over the same
-        is no better). Text within a kind differs (a call's short ids against a call that writes a file's
-        code), so such a switch runs as a probe-length trial first, whose rounds decide."""
+        probe and trials of fewer than ``config.trial_rounds`` rounds (maybe all a copyable stretch: an id, a
+        call's opening). Such a switch runs as probe-length trials first, whose rounds decide."""
         current = self.current
         if current is None or pick == current or not self._needs_probes(pick, kind):
             return False
@@ -203,10 +202,8 @@ class ModePolicy:
     def _lost_trials(self, pick: str, kind: str) -> bool:
         """Whether ``pick``'s trials in ``kind`` since its last probe there measured it no cheaper than the
         incumbent (by ``config.hysteresis``, against what the incumbent measured in the kind, as a probe's
-        verdict is): it is then not switched to on its closed form until a probe measures it again. The
-        trials alone count, not the probe that led to them: that probe ran a trial because it looked good,
-        often for where it fell (a copyable stretch). The closed form, resting on the probe's rounds and older
-        ones, can still come out cheaper after trials that lost, and the switch then runs a whole segment."""
+        verdict is): it is then not switched to on its closed form, which can still come out cheaper, until a
+        probe measures it again. The trials alone count: the probe before them often fell on a copyable stretch."""
         seconds, tokens = self.trial_cost.get((pick, kind), (0.0, 0))
         if self.current is None or pick == self.current or not tokens:
             return False
@@ -214,9 +211,8 @@ class ModePolicy:
         return seconds / tokens > (1 - self.config.hysteresis) * incumbent
 
     def _probe_after(self, mode: str, kind: str, catchup_tokens: int) -> int:
-        """Segments since ``mode`` last ran before it is probed again. An edge probe waits up to one more
-        interval for its drafter to have caught up (the client prefills it while server-side segments
-        stream): a probe that starts with a prefill pays for it on top of the rounds it came to measure."""
+        """Segments since ``mode`` last ran before it is probed again; an edge probe waits one more interval
+        for its drafter to catch up (a probe that starts with a prefill pays for it on top of its rounds)."""
         interval = self.probe_interval.get((mode, kind), self.config.probe_every)
         return 2 * interval if mode == "edge" and catchup_tokens else interval
 
@@ -256,7 +252,8 @@ class ModePolicy:
         if t_v is None or mean_accepted <= 0:
             return None
         if mode == "edge":
-            t_d = self.edge.draft_seconds_per_token or self.t_d_shadow or 0.0
+            seconds, nodes = self.edge_drafting.get(kind, (0.0, 0.0))
+            t_d = seconds / nodes if nodes else self.edge.draft_seconds_per_token or self.t_d_shadow or 0.0
             return costs.edge_round_s(gamma, t_d, t_v, rtt) / mean_accepted
         if mode == "server" and self.t_ds is not None:
             return costs.streamed_cost(costs.colocated_round_s(gamma, self.t_ds, t_v) / mean_accepted, rtt,
@@ -299,6 +296,8 @@ class ModePolicy:
         if mode == "edge":
             self.rtt = ema(self.rtt, max(wall_s - server_s, 0.0), self.config.ema)
             self._rtt_open_at_edge = self.rtt_open
+            keep, (seconds, nodes) = 1.0 - 1.0 / self.config.round_memory, self.edge_drafting.get(kind, (0.0, 0.0))
+            self.edge_drafting[kind] = (keep * seconds + draft_s, keep * nodes + drafted)  # per node, as γ̄ counts
             (gamma, reached, took), spine = taken or ((drafted, min(drafted, accepted + 1), accepted), None)
             self.edge.observe(gamma, reached, took, max(wall_s, 1e-6), draft_s, kind=kind, fresh=fresh, spine=spine)
 
