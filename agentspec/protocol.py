@@ -327,6 +327,8 @@ class SessionInfo(BaseModel):
     prefill_ms: float = 0.0
     vocab_size: int
     max_draft_tokens: int
+    # the most draft tokens a round carries at the verifier's flat cost (one more costs a step: flat_pass_len)
+    flat_draft_tokens: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)  # the tokens that end this session's answers
     constrained: bool = False  # answers are decoded under the grammar of tool_choice / response_format
     protocol_version: int = PROTOCOL_VERSION

@@ -101,7 +101,7 @@ class EdgeDrafting:
             if caught:  # a prefill: the router charges it to switching to edge, not to the tokens drafted
                 seg.catchup_s += caught_s
                 policy.observe_catchup(caught, caught_s)
-        prop = prop.head(run.max_draft_tokens)  # forced spans and tree leaves ride on top of γ
+        prop = prop.head(run.flat_draft_tokens)  # forced spans and tree leaves ride on top of γ
         if log.isEnabledFor(logging.DEBUG):
             log.debug("edge round (%s): γ %d (%d drafted ahead), %d nodes (%d forced), %.1f ms drafting; tokens/s "
                       "by γ %s", run.kind, gamma, made, len(prop), prop.num_forced, 1e3 * draft_s,

@@ -13,7 +13,7 @@ import functools
 import inspect
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,8 @@ from agentspec.models.attention import attention_name
 from agentspec.models.loading import LoadedModel
 
 __all__ = ["cache_length", "cache_nbytes", "check_divergence", "copy_cache_prefix", "crop_cache", "forward",
-           "forward_batch", "keep_cache_positions", "logit_path_noise", "logits_at", "measure_verify_cost",
+           "flat_pass_len", "forward_batch", "keep_cache_positions", "logit_path_noise", "logits_at",
+           "measure_verify_cost",
            "new_cache", "synchronize"]
 
 
@@ -181,6 +182,18 @@ def measure_verify_cost(model: Any, prompt_ids: Sequence[int], max_tokens: int, 
             if rep:
                 samples[k].append(seconds)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def flat_pass_len(curve: Mapping[int, float], flat: float = 1.15) -> int:
+    """The most tokens one pass carries for at most ``flat`` times the cost of a 1-token pass (``curve``:
+    seconds by tokens per pass, :func:`measure_verify_cost`). A CPU's curve can be flat up to a kernel's
+    row block and step up past it (oneDNN's bf16 matmuls on AMX run 16 rows a block): a draft one node past
+    the block pays for a second one. Noise only slows a sample down, so a slow sample past the base cannot
+    end the flat part early; a slow base makes it look longer, as without this bound."""
+    base = curve.get(1, 0.0)
+    if base <= 0:
+        raise ValueError("the verify-cost curve needs a positive entry for a 1-token pass")
+    return max(k for k, s in curve.items() if s <= flat * base)
 
 
 def logits_at(model: Any, ids: Sequence[int]) -> torch.Tensor:

@@ -70,7 +70,10 @@ class VerifierEngine:
         self.copy_index = SuffixIndex()  # past outputs per API key: cross-conversation copy drafting
         self.model_gates = ModelGates()  # per API key: whether the draft model pays inside the default tree
         self.verify_costs: dict[int, float] = {}
+        self.flat_draft_tokens: int | None = None  # a round's draft at the flat part of verify_costs
         self.grammar_ready: Any = None  # the warm-up's grammar-tokenizer build
+        # a session's text decoder for the tokens generated from now on
+        self.decoder = (lambda: IncrementalDecoder(target.tokenizer)) if target.tokenizer is not None else lambda: None
         self.ready = False
 
     # -- start-up ----------------------------------------------------------------------------------
@@ -91,6 +94,8 @@ class VerifierEngine:
         for name in ("model", "copy"):
             self.policies[name] = DraftLengthPolicy.from_calibration(curve)
         self.verify_costs = curve
+        flat = models.flat_pass_len(curve)  # rounds stay below a step; a curve that climbs from the start
+        self.flat_draft_tokens = flat - 1 if flat > 4 else None  # leaves draft sizes to the γ policies
         cache = models.new_cache(self.target.model)
         models.forward(self.target.model, ids[:8], cache, 1)
         self.store.bytes_per_token = -(-models.cache_nbytes(cache) // 8)
@@ -144,7 +149,7 @@ class VerifierEngine:
         session.num_prompt_tokens = len(ids) - done
         session.structure = (req.tools, req.tool_choice, req.response_format)
         session.constraint = constraint
-        session.decoder = self._decoder()
+        session.decoder = self.decoder()
         if self.metrics:
             self.metrics.prompt_tokens(len(ids) - reused, reused)
         return self.info(session, reused_tokens=reused, prefill_ms=(time.perf_counter() - t0) * 1e3,
@@ -207,6 +212,7 @@ class VerifierEngine:
         return SessionInfo(**{"session_id": session.id, "prompt_ids": session.tokens[: session.num_prompt_tokens],
                               "committed_len": len(session.tokens), "vocab_size": self.vocab_size,
                               "max_draft_tokens": self.config.max_draft_tokens,
+                              "flat_draft_tokens": self.flat_draft_tokens,
                               "stop_token_ids": sorted(session.stop_token_ids),
                               "constrained": session.constraint is not None,
                               "model": self.config.served_model_name, "load": self.load(), **extra})
@@ -229,7 +235,7 @@ class VerifierEngine:
         if new_tokens:
             session.tokens.extend(new_tokens)
             session.num_prompt_tokens = len(session.tokens)  # a new turn: max_new_tokens counts from here
-            session.decoder = self._decoder()
+            session.decoder = self.decoder()
             session.finished, session.finish_reason = False, None
 
     async def verify_round(self, session: Session, req: VerifyRound) -> RoundReply:
@@ -348,7 +354,7 @@ class VerifierEngine:
         ctx = DraftContext(s.tokens, s.num_prompt_tokens, item.sampling.to_params(), s.rng(item.sampling),
                            tools=tools, tool_choice=tool_choice, response_format=response_format, index_key=s.owner,
                            constraint=s.constraint)
-        return propose_round(item.drafter, ctx, gamma)
+        return propose_round(item.drafter, ctx, gamma).head(self.flat_draft_tokens or self.config.max_draft_tokens)
 
     def _finish_round(self, item: RoundItem, logits: torch.Tensor, num_pending: int, verify_s: float,
                       draft_s: float, batch_size: int, limit: int | None) -> RoundReply:
@@ -388,10 +394,6 @@ class VerifierEngine:
         return [TokenLogprob(token=t, text=text(t), logprob=lp,
                              top=[TopLogprob(token=i, text=text(i), logprob=v) for i, v in top])
                 for t, (lp, top) in zip(tokens, lps, strict=True)]
-
-    def _decoder(self) -> IncrementalDecoder | None:
-        """A session's text decoder for the tokens generated from now on."""
-        return IncrementalDecoder(self.target.tokenizer) if self.target.tokenizer is not None else None
 
     def shutdown(self) -> None:
         if self._owns_executor:

@@ -1,0 +1,64 @@
+"""A round's draft stays inside the flat part of the verifier's cost curve (``SessionInfo.flat_draft_tokens``),
+at the edge and on the server, losslessly."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from agentspec import models
+from agentspec.client import SpecClient
+from agentspec.drafters import ModelDrafter
+from tests.helpers import plain_greedy
+from tests.integration.server import LoopbackServer, config
+
+MESSAGES = [{"role": "user", "content": "tell me about tools"}]
+MAX = 40
+
+
+def test_the_flat_length_ends_where_the_curve_steps_up():
+    step = {k: 1.0 + 0.005 * k for k in range(1, 17)} | {17: 1.33, 18: 1.34}
+    assert models.flat_pass_len(step) == 16
+    assert models.flat_pass_len({**step, 12: 1.5}) == 16  # one slow sample past the base does not end it
+    assert models.flat_pass_len({**step, 1: 1.2}) == 18  # a slow base: no step seen, no bound
+    assert models.flat_pass_len({1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}) == 1  # a curve that climbs from the start
+    with pytest.raises(ValueError, match="1-token pass"):
+        models.flat_pass_len({8: 1.0, 16: 1.1})
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["edge", "server"])
+def test_rounds_carry_at_most_the_verifiers_flat_draft_and_stay_lossless(target, mode):
+    """The verifier says its rounds are flat up to 3 draft tokens: an int4 copy of the target drafting width-2
+    trees (which would send up to 2γ nodes) at the edge, and the server's own drafter, send no round more,
+    and the output is plain greedy's."""
+    prompt = target.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    reference = plain_greedy(target, list(prompt), MAX)
+    model = copy.deepcopy(target.model).cpu()
+    models.quantize_linears(model, "int4")
+    close = replace(target, model=model, device=torch.device("cpu"), name=f"{target.name}-int4")
+    with LoopbackServer(target, config(), draft_model=close) as srv:
+        measured = srv.engine.flat_draft_tokens
+        flat = models.flat_pass_len(srv.engine.verify_costs)
+        assert measured == (flat - 1 if flat > 4 else None)
+        assert measured is None or measured <= srv.engine.config.max_draft_tokens
+        srv.engine.flat_draft_tokens = 3
+        sizes: list[int] = []
+        execute = srv.engine.execute
+
+        def recording(items, limits):  # the real pass, with each round's draft size noted
+            out = execute(items, limits)
+            sizes.extend(len(item.draft) for item in items)
+            return out
+
+        srv.engine.execute = recording
+        client = SpecClient(srv.url, drafter=ModelDrafter(close, tree_width=2), tokenizer=target.tokenizer,
+                            mode=mode, num_draft_tokens=6, segment_tokens=8)
+        final = client.generate(MESSAGES, max_tokens=MAX)
+        client.close()
+    assert final.tokens == reference
+    assert sizes and max(sizes) == 3  # the cap binds, and holds for every round
