@@ -96,7 +96,8 @@ def make_model(url: str, method: str, key: str, drafters: dict[str, Any], args: 
     return ChatAgentSpec(model=TARGET, base_url=url, api_key=key, mode=MODE[method], temperature=0,
                          max_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                          segment_tokens=args.max_new_tokens if whole else args.segment_tokens,
-                         drafter=ModelDrafter(drafters[local], tree_width=args.tree_width) if local else None,
+                         drafter=ModelDrafter(drafters[local], tree_width=args.tree_width,
+                                              confidence_threshold=args.draft_confidence) if local else None,
                          tokenizer=drafters["0.5b"].tokenizer, timeout=900, logprobs=True, top_logprobs=2,
                          pipeline=False if method.endswith("_sync") else None)
 
@@ -299,6 +300,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
     ap.add_argument("--tree-width", type=int, default=2,
                     help="the local drafters' picks per position (ModelDrafter.tree_width): 1 a chain; 2 adds the "
                          "second pick as a sibling leaf, verified in the same pass")
+    ap.add_argument("--draft-confidence", type=float, default=0.0,
+                    help="the local drafters' confidence stop (ModelDrafter.confidence_threshold; 0: off)")
     ap.add_argument("--int4-draft-vocab", type=int, default=64000,
                     help="output rows the int4 0.5B drafts from: the tokenizer's added tokens and the lowest ids "
                     "(models.lowest_ids_vocab; 0: the whole vocabulary)")
@@ -317,6 +320,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
         ap.error(f"--repeats takes a number of runs per task >= 1, got {args.repeats}")
     if args.tree_width < 1:
         ap.error(f"--tree-width takes a number of picks per position >= 1, got {args.tree_width}")
+    if not 0.0 <= args.draft_confidence < 1.0:
+        ap.error(f"--draft-confidence takes a probability in [0, 1) (0: off), got {args.draft_confidence}")
     if args.int4_draft_vocab < 0:
         ap.error(f"--int4-draft-vocab takes a number of rows >= 0 (0: all), got {args.int4_draft_vocab}")
     for key, (where, how) in MADE.items():
@@ -511,7 +516,7 @@ def setup(args: Any, tasks: tuple[Task, ...], methods: tuple[str, ...]) -> dict[
             "client": "core 0, 1 thread: the LangGraph agent and the 0.5B drafters (bf16; edge_0.5b_int4: int4 "
                       "weight-only linears, bf16 activations)",
             "int4_draft_vocab": args.int4_draft_vocab or "all",
-            "tree_width": args.tree_width,
+            "tree_width": args.tree_width, "draft_confidence": args.draft_confidence,
             "rtt": "DelayProxy on loopback, half the RTT each way", "machine": common.machine_info()}
 
 

@@ -30,13 +30,20 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, model: Any, tree_width: int = 1, proposal_top_k: int = 32) -> None:
+    def __init__(self, model: Any, tree_width: int = 1, proposal_top_k: int = 32,
+                 confidence_threshold: float = 0.0) -> None:
+        """``confidence_threshold``: a greedy draft made on the critical path (not one made ahead, while a
+        round is in flight) stops after a chain token the model gives less than this probability: the
+        tokens after it are seldom the target's, and each costs a drafting step the round waits for."""
         if tree_width < 1:
             raise ValueError(f"tree_width must be >= 1, got {tree_width}")
         if proposal_top_k < 1:
             raise ValueError(f"proposal_top_k must be >= 1, got {proposal_top_k}")
+        if not 0.0 <= confidence_threshold < 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
         self.model = model.model if isinstance(model, models.LoadedModel) else model
         self.tree_width, self.proposal_top_k = tree_width, proposal_top_k
+        self.confidence_threshold = confidence_threshold
         # a reduced output vocabulary (models.restrict_output_vocab): head row -> token id
         self._token_map = getattr(self.model, "agentspec_token_map", None)
         self._full_vocab = getattr(self.model, "agentspec_full_vocab", None)
@@ -157,6 +164,8 @@ class ModelDrafter:
                     probs.append(dist)
                 chain.append(picked[0])
                 parent = node
+                if self._unsure(logits[-1] if masked is None else masked, ctx):
+                    break
             feed = [chain[-1]]
         tree = self.tree_width > 1
         return DraftProposal(
@@ -165,6 +174,13 @@ class ModelDrafter:
             draft_probs=None if ctx.sampling.greedy else tuple(probs),
             source=self.name,
         )
+
+    def _unsure(self, row: torch.Tensor, ctx: DraftContext) -> bool:
+        """Whether a greedy chain drafted on the critical path stops after the pick from ``row`` (its logits):
+        the model's probability of that pick is under ``confidence_threshold``."""
+        if not self.confidence_threshold or ctx.stop is not None or not ctx.sampling.greedy:
+            return False
+        return float(torch.softmax(row.float(), dim=-1).max()) < self.confidence_threshold
 
     def _read_lead(self, logits: torch.Tensor, lead: list[int]) -> list[list[int]]:
         """The chain read off one pass over ``lead`` (``logits``: its last ``len(lead) + 1`` rows, the model's
