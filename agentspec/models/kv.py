@@ -187,9 +187,9 @@ def measure_verify_cost(model: Any, prompt_ids: Sequence[int], max_tokens: int, 
 def flat_pass_len(curve: Mapping[int, float], flat: float = 1.15) -> int:
     """The most tokens one pass carries for at most ``flat`` times the cost of a 1-token pass (``curve``:
     seconds by tokens per pass, :func:`measure_verify_cost`). A CPU's curve can be flat up to a kernel's
-    row block and step up past it (oneDNN's bf16 matmuls on AMX run 16 rows a block): a draft one node past
-    the block pays for a second one. Noise only slows a sample down, so a slow sample past the base cannot
-    end the flat part early; a slow base makes it look longer, as without this bound."""
+    row block and step up past it (the 1.5B in bf16 on an AMX CPU: flat to 16 rows, then a step): a draft
+    one node past the block pays for a second one. Noise only slows a sample down: a slow sample inside
+    the flat part ends it early only if it is the last one there; a slow base makes it look longer."""
     base = curve.get(1, 0.0)
     if base <= 0:
         raise ValueError("the verify-cost curve needs a positive entry for a 1-token pass")
