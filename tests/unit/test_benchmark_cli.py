@@ -21,10 +21,13 @@ def test_command_line_picks_methods_and_refuses_what_it_cannot_run(tmp_path, cap
                        "edge_0.5b_sync", "edge_small", "auto")
     assert parse_args([*none, "--auto-drafter", "0.5b_int4"])[0].auto_drafter == "0.5b_int4"  # made on the fly
     assert parse_args(none)[0].repeats == 1 and parse_args([*none, "--repeats", "2"])[0].repeats == 2
+    assert parse_args(none)[0].draft_confidence == 0.0  # off unless asked
+    assert parse_args([*none, "--draft-confidence", "0.4"])[0].draft_confidence == 0.4
     for bad, says in ((["--methods", "server,warp"], "unknown ['warp']"), (["--rtts", "0,fast"], "--rtts"),
                       (["--small-drafter", str(tmp_path / "missing"), "--tuned-drafter", "none"], "no drafter there"),
                       ([*none, "--auto-drafter", "small"], "--auto-drafter small"),
-                      ([*none, "--repeats", "0"], "--repeats takes a number of runs per task >= 1")):
+                      ([*none, "--repeats", "0"], "--repeats takes a number of runs per task >= 1"),
+                      ([*none, "--draft-confidence", "1.5"], "--draft-confidence takes a probability in [0, 1)")):
         with pytest.raises(SystemExit):
             parse_args(bad)
         assert says in capsys.readouterr().err
@@ -45,3 +48,13 @@ def test_training_benchmark_refuses_a_pair_recipe_without_the_pair(capsys) -> No
     with pytest.raises(SystemExit):
         main(["--recipe", "from-target"])
     assert "--recipe from-target is a --pair option" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [["--nodes", "5,10"], ["--nodes", "0,17"], ["--reps", "0"]])
+def test_verify_rows_refuses_sizes_it_cannot_send_before_starting_a_verifier(bad, capsys) -> None:
+    from benchmarks.verify_rows import main
+
+    with pytest.raises(SystemExit):
+        main(bad)
+    assert "--" in capsys.readouterr().err
+
