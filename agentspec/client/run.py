@@ -50,8 +50,8 @@ class Run:
         self.ahead: tuple[tuple[int, ...], DraftProposal] | None = None
         self.shadowed_to = 0  # auto: tokens up to here were replayed for the router's edge shadow (EdgeDrafting)
         self.constrained = False  # the verifier decodes this answer under its grammar (SessionInfo)
-        self.max_draft_tokens = 16  # the verifier's cap on one round's draft (SessionInfo)
-        self.flat_draft_tokens = 16  # the most an edge round sends: the verifier's flat cost (SessionInfo)
+        # the most an edge round sends: the verifier's cap, or less where its pass cost steps up (SessionInfo)
+        self.flat_draft_tokens = 16
         self.parallel_tool_calls = True  # False: a constrained answer holds one tool call
         self.constraint: Any = None  # the client's copy of that grammar (edge drafts respect it); False: none
         self.excluded: frozenset[str] = frozenset()  # modes the router must not pick for this answer
@@ -87,7 +87,6 @@ class Run:
         self.served_model = info.model
         self.stop_token_ids = frozenset(info.stop_token_ids)
         self.constrained = info.constrained
-        self.max_draft_tokens = info.max_draft_tokens
         self.flat_draft_tokens = min(info.flat_draft_tokens or info.max_draft_tokens, info.max_draft_tokens)
 
     def round_request(self, proposal: DraftProposal) -> dict[str, Any]:

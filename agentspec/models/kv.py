@@ -23,7 +23,7 @@ from agentspec.models.attention import attention_name
 from agentspec.models.loading import LoadedModel
 
 __all__ = ["cache_length", "cache_nbytes", "check_divergence", "copy_cache_prefix", "crop_cache", "forward",
-           "flat_pass_len", "forward_batch", "keep_cache_positions", "logit_path_noise", "logits_at",
+           "flat_draft_tokens", "flat_pass_len", "forward_batch", "keep_cache_positions", "logit_path_noise", "logits_at",
            "measure_verify_cost",
            "new_cache", "synchronize"]
 
@@ -194,6 +194,14 @@ def flat_pass_len(curve: Mapping[int, float], flat: float = 1.15) -> int:
     if base <= 0:
         raise ValueError("the verify-cost curve needs a positive entry for a 1-token pass")
     return max(k for k, s in curve.items() if s <= flat * base)
+
+
+def flat_draft_tokens(curve: Mapping[int, float]) -> int | None:
+    """The most draft tokens a round carries below the curve's step (:func:`flat_pass_len`, less the pending
+    token), or None where the flat part is 4 tokens or less: a curve that climbs from the start (AVX2's
+    emulated bf16) leaves draft sizes to the γ policies, which weigh its cost per token."""
+    flat = flat_pass_len(curve)
+    return flat - 1 if flat > 4 else None
 
 
 def logits_at(model: Any, ids: Sequence[int]) -> torch.Tensor:

@@ -70,10 +70,8 @@ class VerifierEngine:
         self.copy_index = SuffixIndex()  # past outputs per API key: cross-conversation copy drafting
         self.model_gates = ModelGates()  # per API key: whether the draft model pays inside the default tree
         self.verify_costs: dict[int, float] = {}
-        self.flat_draft_tokens: int | None = None  # a round's draft at the flat part of verify_costs
+        self.flat_draft_tokens: int | None = None  # a round's draft below verify_costs' step
         self.grammar_ready: Any = None  # the warm-up's grammar-tokenizer build
-        # a session's text decoder for the tokens generated from now on
-        self.decoder = (lambda: IncrementalDecoder(target.tokenizer)) if target.tokenizer is not None else lambda: None
         self.ready = False
 
     # -- start-up ----------------------------------------------------------------------------------
@@ -94,8 +92,7 @@ class VerifierEngine:
         for name in ("model", "copy"):
             self.policies[name] = DraftLengthPolicy.from_calibration(curve)
         self.verify_costs = curve
-        flat = models.flat_pass_len(curve)  # rounds stay below a step; a curve that climbs from the start
-        self.flat_draft_tokens = flat - 1 if flat > 4 else None  # leaves draft sizes to the γ policies
+        self.flat_draft_tokens = models.flat_draft_tokens(curve)
         cache = models.new_cache(self.target.model)
         models.forward(self.target.model, ids[:8], cache, 1)
         self.store.bytes_per_token = -(-models.cache_nbytes(cache) // 8)
@@ -149,7 +146,7 @@ class VerifierEngine:
         session.num_prompt_tokens = len(ids) - done
         session.structure = (req.tools, req.tool_choice, req.response_format)
         session.constraint = constraint
-        session.decoder = self.decoder()
+        session.decoder = self._decoder()
         if self.metrics:
             self.metrics.prompt_tokens(len(ids) - reused, reused)
         return self.info(session, reused_tokens=reused, prefill_ms=(time.perf_counter() - t0) * 1e3,
@@ -235,7 +232,7 @@ class VerifierEngine:
         if new_tokens:
             session.tokens.extend(new_tokens)
             session.num_prompt_tokens = len(session.tokens)  # a new turn: max_new_tokens counts from here
-            session.decoder = self.decoder()
+            session.decoder = self._decoder()
             session.finished, session.finish_reason = False, None
 
     async def verify_round(self, session: Session, req: VerifyRound) -> RoundReply:
@@ -394,6 +391,10 @@ class VerifierEngine:
         return [TokenLogprob(token=t, text=text(t), logprob=lp,
                              top=[TopLogprob(token=i, text=text(i), logprob=v) for i, v in top])
                 for t, (lp, top) in zip(tokens, lps, strict=True)]
+
+    def _decoder(self) -> IncrementalDecoder | None:
+        """A session's text decoder for the tokens generated from now on."""
+        return IncrementalDecoder(self.target.tokenizer) if self.target.tokenizer is not None else None
 
     def shutdown(self) -> None:
         if self._owns_executor:

@@ -25,6 +25,8 @@ def test_the_flat_length_ends_where_the_curve_steps_up():
     assert models.flat_pass_len({**step, 12: 1.5}) == 16  # one slow sample past the base does not end it
     assert models.flat_pass_len({**step, 1: 1.2}) == 18  # a slow base: no step seen, no bound
     assert models.flat_pass_len({1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}) == 1  # a curve that climbs from the start
+    assert models.flat_draft_tokens(step) == 15  # less the pending token
+    assert models.flat_draft_tokens({1: 1.0, 2: 1.1, 3: 1.12, 4: 1.14, 5: 1.5}) is None  # no flat part to keep
     with pytest.raises(ValueError, match="1-token pass"):
         models.flat_pass_len({8: 1.0, 16: 1.1})
 
@@ -43,8 +45,7 @@ def test_rounds_carry_at_most_the_verifiers_flat_draft_and_stay_lossless(target,
     close = replace(target, model=model, device=torch.device("cpu"), name=f"{target.name}-int4")
     with LoopbackServer(target, config(), draft_model=close) as srv:
         measured = srv.engine.flat_draft_tokens
-        flat = models.flat_pass_len(srv.engine.verify_costs)
-        assert measured == (flat - 1 if flat > 4 else None)
+        assert measured == models.flat_draft_tokens(srv.engine.verify_costs)
         assert measured is None or measured <= srv.engine.config.max_draft_tokens
         srv.engine.flat_draft_tokens = 3
         sizes: list[int] = []
