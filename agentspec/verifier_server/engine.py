@@ -91,8 +91,7 @@ class VerifierEngine:
         curve = models.measure_verify_cost(self.target.model, ids, self.config.max_draft_tokens + 1, reps=1)
         for name in ("model", "copy"):
             self.policies[name] = DraftLengthPolicy.from_calibration(curve)
-        self.verify_costs = curve
-        self.flat_draft_tokens = models.flat_draft_tokens(curve)
+        self.verify_costs, self.flat_draft_tokens = curve, models.flat_draft_tokens(curve)
         cache = models.new_cache(self.target.model)
         models.forward(self.target.model, ids[:8], cache, 1)
         self.store.bytes_per_token = -(-models.cache_nbytes(cache) // 8)
