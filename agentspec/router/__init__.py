@@ -5,6 +5,7 @@ design.md's closed forms, written only in :mod:`~agentspec.router.costs`, turn t
 :class:`DraftLengthPolicy` (γ per round) and :class:`ModePolicy` (mode per segment).
 """
 
+from agentspec.router.config import ModeConfig
 from agentspec.router.costs import (
     break_even_rtt,
     capacity_ratio,
@@ -17,7 +18,7 @@ from agentspec.router.costs import (
 )
 from agentspec.router.estimators import AcceptanceEstimator, ChainReplay, CostCurve, LinearCost, ema
 from agentspec.router.gamma import DraftLengthPolicy
-from agentspec.router.modes import ModeConfig, ModePolicy
+from agentspec.router.modes import ModePolicy
 
 __all__ = ["AcceptanceEstimator", "ChainReplay", "CostCurve", "DraftLengthPolicy", "LinearCost", "ModeConfig",
            "ModePolicy", "break_even_rtt", "capacity_ratio", "colocated_cost", "edge_cost", "ema",

@@ -1,7 +1,7 @@
 """The mode policy: which mode (edge, server, server-ar) runs a request's next segment.
 
-:class:`ModeConfig` holds the knobs; :class:`ModePolicy` holds only what it has measured and predicts
-each mode's cost with :mod:`agentspec.router.costs`.
+:class:`~agentspec.router.config.ModeConfig` holds the knobs; :class:`ModePolicy` holds only what it has
+measured and predicts each mode's cost with :mod:`agentspec.router.costs`.
 """
 
 from __future__ import annotations
@@ -10,55 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import agentspec.router.costs as costs
+from agentspec.router.config import ModeConfig
 from agentspec.router.estimators import ChainReplay, LinearCost, ema
 from agentspec.router.gamma import DraftLengthPolicy
 from agentspec.types import Taken
-
-SHADOWABLE = ("edge", "server")  # the modes whose chain drafters can be replayed over committed text
-
-
-@dataclass(frozen=True)
-class ModeConfig:
-    """The mode policy's knobs (see :class:`ModePolicy`), checked once, here; ``gamma_max`` and
-    ``segment_tokens`` are the client's (γ of the shadow replays, S of the closed forms); ``shadowed``:
-    the modes whose E[A] comes only from shadow replays (:meth:`ModePolicy.observe_replays`)."""
-
-    has_drafter: bool = True
-    has_api: bool = False
-    has_verifier: bool = True  # an agentspec-verifier: edge, server and server-ar
-    has_deployment: bool = False  # an OpenAI-compatible deployment of the target: the vllm mode
-    hysteresis: float = 0.05
-    probe_every: int = 8
-    max_probe_every: int = 128
-    probe_margin: float = 0.25
-    probe_tokens: int = 8  # a probe segment's most tokens: a losing probe costs these, not a whole segment
-    trial_rounds: int = 12  # rounds of trials before a switch is made for good: as many as an estimate rests on
-    busy_penalty: float = 1.25
-    ema: float = 0.3
-    correction_ema: float = 0.15  # slower: one segment's wall time scatters by 10-20 % on a busy CPU
-    round_memory: int = 12  # rounds an (E[A], γ̄) estimate mostly rests on: a kind's text changes within a call
-    gamma_max: int = 4
-    segment_tokens: int = 16
-    shadowed: frozenset[str] = frozenset()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shadowed", frozenset(self.shadowed))
-        checks = {"hysteresis must be in [0, 1)": 0.0 <= self.hysteresis < 1.0,
-                  "probe_every must be >= 1": self.probe_every >= 1,
-                  "max_probe_every must be >= 1": self.max_probe_every >= 1,
-                  "probe_margin must be >= 0": self.probe_margin >= 0.0,
-                  "probe_tokens must be >= 1": self.probe_tokens >= 1,
-                  "trial_rounds must be >= 0": self.trial_rounds >= 0,
-                  "busy_penalty must be >= 1": self.busy_penalty >= 1.0,
-                  "ema must be in (0, 1]": 0.0 < self.ema <= 1.0,
-                  "correction_ema must be in (0, 1]": 0.0 < self.correction_ema <= 1.0,
-                  "round_memory must be >= 1": self.round_memory >= 1,
-                  "gamma_max must be >= 0": self.gamma_max >= 0,
-                  "segment_tokens must be >= 1": self.segment_tokens >= 1,
-                  f"shadowed modes must be among {SHADOWABLE}": self.shadowed <= set(SHADOWABLE)}
-        bad = [message for message, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"ModeConfig: {'; '.join(bad)} (got {self!r})")
 
 
 @dataclass
@@ -81,9 +36,11 @@ class ModePolicy:
     Until a mode's inputs exist its measured seconds per token stands in; a mode never run is tried first.
     Modes judged without running them (shadowed, or server-ar) are never probed; the others every
     ``probe_every`` segments since they last ran in the segment's content kind (a mode run only in tool calls
-    since a warm-up is due in prose), backing off (doubling, up to ``max_probe_every``) per kind while probes
-    in it lose by more than ``probe_margin`` to what the incumbent measured in that kind (its prediction until
-    it has); a probe runs at most ``probe_tokens`` tokens. A switch needs the challenger ``hysteresis``
+    since a warm-up is due in prose), backing off (up to ``max_probe_every``) per kind while probes in it
+    lose by more than ``probe_margin`` to what the incumbent measured in that kind (its prediction until it
+    has): the wait doubles for each factor of ``1 + probe_margin`` a probe lost by (:meth:`ModeConfig.backed_off`), as
+    a mode far behind needs conditions to move further before it wins; a probe runs at most ``probe_tokens``
+    tokens. A switch needs the challenger ``hysteresis``
     cheaper, and runs as a probe first where the challenger's estimate in the kind is older than the
     incumbent's or rests on one probe alone, until its trials add up to ``trial_rounds`` rounds
     (:meth:`_on_older_text`); where those trials measured it no cheaper than the incumbent, it waits for its
@@ -354,8 +311,7 @@ class ModePolicy:
             # against what the incumbent measured here: its prediction may rest on another kind's text
             incumbent = self.measured_kind.get((self.current, k)) or self.predicted(self.current, k)
             interval = self.probe_interval.get((mode, k), c.probe_every)
-            worse = seconds_per_token > (1 + c.probe_margin) * incumbent
-            self.probe_interval[(mode, k)] = min(2 * interval, c.max_probe_every) if worse else c.probe_every
+            self.probe_interval[(mode, k)] = c.backed_off(interval, seconds_per_token / incumbent)
         if mode != self.probing:
             self.trial_streak[(mode, k)] = None
             self.trial_cost.pop((mode, k), None)
@@ -397,3 +353,4 @@ class ModePolicy:
         if mode == "server" and self.t_ds is not None:
             return costs.colocated_segment_s(rounds, drafted, self.t_ds, t_v, rtt)
         return None
+

@@ -254,7 +254,7 @@ def test_a_probe_is_judged_without_the_catch_up_it_paid():
     assert policy.correction["edge"] < 1.1
     policy.current, policy.probing = "server", "edge"
     policy.observe_segment("edge", (rounds_s + 1.2) / 8, tokens=8, rounds=3, drafted=12, draft_s=0.024)
-    assert policy.probe_interval[("edge", "text")] == 2 * policy.config.probe_every  # the same time, uncounted: lost
+    assert policy.probe_interval[("edge", "text")] > policy.config.probe_every  # the same time, uncounted: lost
 
 
 def test_an_edge_probe_waits_for_its_drafter_to_catch_up_but_not_forever():
@@ -362,6 +362,18 @@ def test_mode_policy_corrects_each_content_kind_apart():
     assert policy.predicted("edge", "tool") == pytest.approx(2 * (_t_v(8) + 0.02) / 5, rel=0.01)
 
 
+def test_a_probe_backs_off_once_per_margin_it_lost_by():
+    """A probe within ``probe_margin`` of the incumbent resets the interval; one that lost doubles it once per
+    factor of ``1 + probe_margin`` it lost by (at least once), never past ``max_probe_every``."""
+    c = router.ModeConfig(probe_every=8, max_probe_every=128, probe_margin=0.25)
+    assert c.backed_off(64, 1.25) == 8  # within the margin: not lost
+    assert c.backed_off(8, 1.3) == 16  # lost by less than 1.25²: doubled once
+    assert c.backed_off(8, 1.25**2 + 1e-9) == 32
+    assert c.backed_off(8, 2.0) == 64  # log(2) / log(1.25) = 3.1: three doublings
+    assert c.backed_off(16, 1e6) == 128  # capped
+    assert router.ModeConfig(probe_margin=0.0, probe_every=8).backed_off(8, 5.0) == 16  # no margin: doubles
+
+
 def test_a_probe_is_judged_against_what_the_incumbent_measured_in_its_kind():
     """Server mode predicted cheap prose from a tool call (its correction, say) but ran it at one token a
     pass: an edge probe in prose 15 % cheaper than that measurement is not lost, though 50 % dearer than
@@ -377,7 +389,8 @@ def test_a_probe_is_judged_against_what_the_incumbent_measured_in_its_kind():
     policy.current, policy.probing = "server", "edge"
     policy.observe_segment("edge", 3 * policy.measured_kind[("server", "tool")], tokens=8, rounds=2, drafted=16,
                            kind="tool")
-    assert policy.probe_interval[("edge", "tool")] == 2 * policy.config.probe_every
+    assert policy.probe_interval[("edge", "tool")] == policy.config.backed_off(policy.config.probe_every, 3.0)
+    assert policy.probe_interval[("edge", "tool")] > policy.config.probe_every
     assert policy.probe_interval[("edge", "text")] == policy.config.probe_every
 
 
