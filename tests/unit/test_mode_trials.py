@@ -141,7 +141,7 @@ def test_trials_that_measured_the_challenger_dearer_keep_the_incumbent_until_it_
         assert policy.choose(kind="tool") == "edge"
         assert policy.current == "edge" and policy.probing is None
         _rounds(policy, "edge", [("tool", 3, 6, 0.05)] * 2, seg_kind="tool")
-    policy.segments += 2 * policy.config.probe_every  # its next probe falls due: it wins, and trials go on
+    policy.segments += policy.probe_interval[("server", "tool")]  # its next probe falls due: it wins, trials go on
     assert policy.choose(kind="tool") == "server" and policy.scheduled
     _rounds(policy, "server", [("tool", 6, 6, 0.0)] * 2, seg_kind="tool")
     assert policy.trial_cost[("server", "tool")] == (0.0, 0)
