@@ -30,7 +30,10 @@ in rotated order per task, with its own API key (no method reuses another's prom
 * ``auto`` — the router chooses per segment among edge (``--auto-drafter``: the 0.5B by default), server and
   server-ar, its server mode on the verifier without a draft model (a co-located drafter prefills every new
   context on the target's core: server_0.5b_int4 lost to server on every task,
-  ``agent_int4_colocated.log``).
+  ``agent_int4_colocated.log``);
+* ``edge_0.5b_int4_twin`` — edge_0.5b_int4 again, its own client and API key: an A/A pair, whose ratio to
+  edge_0.5b_int4 is what the VM's drift alone moves a block's ratios by (the noise floor auto's 0.95 is
+  read against). Only when ``--methods`` names it.
 
 Per task: model time (every model call's wall time, prefill and network included), steps, the modes used,
 tokens per round by content kind (tool-call JSON or text) and whether the transcript (messages, tool calls,
@@ -67,13 +70,14 @@ from benchmarks.server import Verifier
 TARGET, DRAFTER = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 MODE = {"plain": "server-ar", "server": "server", "server_small": "server", "server_0.5b_int4": "server",
         "edge_0.5b": "edge", "edge_0.5b_int4": "edge", "edge_0.5b_sync": "edge", "edge_tuned": "edge",
-        "edge_small": "edge", "auto": "auto"}
+        "edge_small": "edge", "auto": "auto", "edge_0.5b_int4_twin": "edge"}
 # which verifier a server method talks to: "main" has no draft model; the others draft with theirs, co-located
 SERVER_OF = {"server_small": "small", "server_0.5b_int4": "int4"}
 # the local drafters besides the 0.5B: name -> (default directory, the command that makes it), and who uses them
 MADE = {"tuned": ("drafters/pair-0.5b-lora", "python -m benchmarks.train --pair"),
         "small": ("drafters/pair-1.5b-2l", "python -m benchmarks.train --pair --recipe from-target")}
 USES = {"edge_tuned": "tuned", "edge_small": "small", "server_small": "small"}
+ON_REQUEST = {"edge_0.5b_int4_twin"}  # diagnostics: run only when --methods names them
 # one per warm-up call: auto's three would otherwise ask the same thing, and the mode tried second would copy
 # the first one's answer from the copy index, a text no task gives it (server looked 4.8 tokens a round there)
 WARM = ("Reply with one short sentence: what is a tool call?", "In one sentence: why do agents call tools?",
@@ -92,7 +96,7 @@ def make_model(url: str, method: str, key: str, drafters: dict[str, Any], args: 
     auto drafts with ``args.auto_drafter``'s."""
     whole = method == "plain"
     local = {"edge_0.5b": "0.5b", "edge_0.5b_sync": "0.5b", "edge_0.5b_int4": "0.5b_int4", "auto": args.auto_drafter,
-             "edge_tuned": "tuned", "edge_small": "small"}.get(method)
+             "edge_tuned": "tuned", "edge_small": "small", "edge_0.5b_int4_twin": "0.5b_int4"}.get(method)
     return ChatAgentSpec(model=TARGET, base_url=url, api_key=key, mode=MODE[method], temperature=0,
                          max_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                          segment_tokens=args.max_new_tokens if whole else args.segment_tokens,
@@ -345,7 +349,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
             ap.error(f"--only: unknown tasks {sorted(set(wanted) - names)}; known: {sorted(names)}")
         tasks = tuple(t for t in TASKS if t.id in wanted)
         args.tasks = len(tasks)
-    methods = tuple(m for m in MODE if (m == "plain" or not chosen or m in chosen)
+    methods = tuple(m for m in MODE if (m == "plain" or not chosen and m not in ON_REQUEST or m in chosen)
                     and (m not in USES or getattr(args, f"{USES[m]}_drafter") != "none"))
     if "auto" in methods and args.auto_drafter in MADE and getattr(args, f"{args.auto_drafter}_drafter") == "none":
         ap.error(f"--auto-drafter {args.auto_drafter}: there is no such drafter (see --{args.auto_drafter}-drafter)")
@@ -374,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     drafters = {"0.5b": models.load_model(DRAFTER, device="cpu", dtype="bfloat16")}
     drafter = drafters["0.5b"]
-    if "edge_0.5b_int4" in methods or ("auto" in methods and args.auto_drafter == "0.5b_int4"):
+    if {"edge_0.5b_int4", "edge_0.5b_int4_twin"} & set(methods) or ("auto" in methods
+                                                                   and args.auto_drafter == "0.5b_int4"):
         drafters["0.5b_int4"] = models.load_model(DRAFTER, device="cpu", dtype="bfloat16", quantize="int4",
                                                   draft_vocab=args.int4_draft_vocab or None)
     for key in local_drafters(methods, args, client=True):

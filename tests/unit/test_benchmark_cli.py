@@ -12,7 +12,9 @@ def test_command_line_picks_methods_and_refuses_what_it_cannot_run(tmp_path, cap
     args, tasks, methods, rtts = parse_args(["--methods", "server,edge_0.5b", "--rtts", "0,50", "--tasks", "2", *none])
     assert methods == ("plain", "server", "edge_0.5b") and rtts == [0.0, 50.0] and len(tasks) == 2
     assert parse_args(none)[2] == ("plain", "server", "server_0.5b_int4", "edge_0.5b", "edge_0.5b_int4",
-                                   "edge_0.5b_sync", "auto")  # no trained drafters: left out
+                                   "edge_0.5b_sync", "auto")  # no trained drafters, no A/A twin: left out
+    assert parse_args([*none, "--methods", "edge_0.5b_int4,edge_0.5b_int4_twin"])[2] == (
+        "plain", "edge_0.5b_int4", "edge_0.5b_int4_twin")  # the A/A pair, when asked for
     made = tmp_path / "small"
     made.mkdir()
     (made / "config.json").write_text("{}")
