@@ -10,9 +10,9 @@ SHADOWABLE = ("edge", "server")  # the modes whose chain drafters can be replaye
 
 @dataclass(frozen=True)
 class ModeConfig:
-    """The mode policy's knobs (see :class:`ModePolicy`), checked once, here; ``gamma_max`` and
+    """The mode policy's knobs (see :class:`~agentspec.router.modes.ModePolicy`), checked once, here; ``gamma_max`` and
     ``segment_tokens`` are the client's (γ of the shadow replays, S of the closed forms); ``shadowed``:
-    the modes whose E[A] comes only from shadow replays (:meth:`ModePolicy.observe_replays`)."""
+    the modes whose E[A] comes only from shadow replays (:meth:`~agentspec.router.modes.ModePolicy.observe_replays`)."""
 
     has_drafter: bool = True
     has_api: bool = False
