@@ -249,6 +249,9 @@ class Generate(_Strict):
     new_tokens: list[TokenId] = Field(default_factory=list)
     mode: Literal["server", "server-ar"] = "server"
     max_new_tokens: int = Field(256, ge=1)
+    # the most rounds (target passes) this request runs; None: as many as max_new_tokens takes. A router's
+    # probe sends a few: a mode that commits one token a pass is judged on those as well as on more
+    max_rounds: int | None = Field(None, ge=1)
     num_draft_tokens: int | None = Field(None, ge=0)
     sampling: Sampling = Field(default_factory=Sampling)
     # server mode's drafter: "default" combines grammar, copy and the --draft-model (a token tree); "model" is
@@ -287,7 +290,7 @@ class RoundReply(BaseModel):
     tokens: list[int]
     text: str = ""  # the text these tokens add (special tokens skipped; a split character waits a round)
     committed_len: int
-    finished: bool = False  # this request is over (a generate call may end at its own max_new_tokens)
+    finished: bool = False  # this request is over (a generate call may end at its max_new_tokens or max_rounds)
     finish_reason: Literal["stop", "length"] | None = None
     session_finished: bool = False  # the session itself ended (stop token or its token limit)
     logprobs: list[TokenLogprob] | None = None  # one per token, when the sampling settings ask

@@ -44,7 +44,7 @@ class SegmentStats:
     kind: str = "text"  # content kind at the segment's start: "tool" (inside a tool call's JSON) or "text"
     pipelined: int = 0  # edge rounds whose draft was made while the round before was in flight
     draft_ahead_s: float = 0.0  # local drafting overlapped with requests in flight: drafts ahead, catch-ups
-    probe: bool = False  # the router ran this mode to re-measure it (a short segment: ModeConfig.probe_tokens)
+    probe: bool = False  # the router ran this mode to re-measure it (a short segment: ModeConfig.probe_tokens, probe_rounds)
     catchup_s: float = 0.0  # the local model drafter's prefill of tokens it had not seen (edge; not in draft_s)
 
     def add_round(self, tokens: int, drafted: int, accepted: int, server_s: float, draft_s: float) -> None:

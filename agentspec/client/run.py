@@ -94,10 +94,13 @@ class Run:
         return VerifyRound(base_len=len(self.tokens), draft=Draft.from_proposal(proposal),
                            sampling=self.wire_sampling).to_wire()
 
-    def generate_request(self, mode: str, max_new_tokens: int, drafter: str) -> dict[str, Any]:
-        """A server-side segment (``server`` drafting with ``drafter``, or ``server-ar``)."""
+    def generate_request(self, mode: str, max_new_tokens: int, drafter: str, max_rounds: int | None = None
+                         ) -> dict[str, Any]:
+        """A server-side segment (``server`` drafting with ``drafter``, or ``server-ar``) of at most
+        ``max_new_tokens`` tokens and ``max_rounds`` rounds (None: no round limit)."""
         return Generate(base_len=len(self.tokens), mode=mode, sampling=self.wire_sampling,
-                        max_new_tokens=max_new_tokens, drafter=drafter if mode == "server" else "default").to_wire()
+                        max_new_tokens=max_new_tokens, max_rounds=max_rounds,
+                        drafter=drafter if mode == "server" else "default").to_wire()
 
     def taken(self, prop: DraftProposal, reply: RoundReply) -> Taken:
         """What the target took of an edge round's draft ``prop`` (before :meth:`apply`), for the router: its

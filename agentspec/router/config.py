@@ -23,6 +23,7 @@ class ModeConfig:
     max_probe_every: int = 128
     probe_margin: float = 0.25
     probe_tokens: int = 8  # a probe segment's most tokens: a losing probe costs these, not a whole segment
+    probe_rounds: int = 3  # and its most rounds (passes): a mode that commits a token a pass loses on these
     trial_rounds: int = 12  # rounds of trials before a switch is made for good: as many as an estimate rests on
     busy_penalty: float = 1.25
     ema: float = 0.3
@@ -39,6 +40,7 @@ class ModeConfig:
                   "max_probe_every must be >= 1": self.max_probe_every >= 1,
                   "probe_margin must be >= 0": self.probe_margin >= 0.0,
                   "probe_tokens must be >= 1": self.probe_tokens >= 1,
+                  "probe_rounds must be >= 1": self.probe_rounds >= 1,
                   "trial_rounds must be >= 0": self.trial_rounds >= 0,
                   "busy_penalty must be >= 1": self.busy_penalty >= 1.0,
                   "ema must be in (0, 1]": 0.0 < self.ema <= 1.0,

@@ -40,7 +40,7 @@ class ModePolicy:
     lose by more than ``probe_margin`` to what the incumbent measured in that kind (its prediction until it
     has): the wait doubles for each factor of ``1 + probe_margin`` a probe lost by (:meth:`ModeConfig.backed_off`), as
     a mode far behind needs conditions to move further before it wins; a probe runs at most ``probe_tokens``
-    tokens. A switch needs the challenger ``hysteresis``
+    tokens in at most ``probe_rounds`` rounds. A switch needs the challenger ``hysteresis``
     cheaper, and runs as a probe first where the challenger's estimate in the kind is older than the
     incumbent's or rests on one probe alone, until its trials add up to ``trial_rounds`` rounds
     (:meth:`_on_older_text`); where those trials measured it no cheaper than the incumbent, it waits for its
@@ -142,6 +142,12 @@ class ModePolicy:
         if self.tenure is None:
             return c.segment_tokens
         return min(c.probe_tokens << min(self.tenure, 16), c.segment_tokens)
+
+    def segment_rounds(self) -> int | None:
+        """The most rounds of the segment :meth:`choose` just picked: a due probe's ``probe_rounds`` (a probe's
+        cost is its passes: one that commits a token a round has lost after a few, and eight cost eight
+        passes), else None (its tokens alone limit it). A trial is not cut: its rounds decide a switch."""
+        return self.config.probe_rounds if self.probing is not None and self.scheduled else None
 
     def _on_older_text(self, pick: str, kind: str) -> bool:
         """Whether switching to ``pick`` would rest on too little or too old text: ``pick`` is judged by its

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -277,11 +278,13 @@ class VerifierEngine:
                 session.drafter, session.drafter_kind = self._server_drafter(req.drafter, session.owner), req.drafter
             drafter = session.drafter
             policy = self.policies.get(name) if req.num_draft_tokens is None else None
-        while True:
+        for done in itertools.count(1):
             left = req.max_new_tokens - (session.num_generated - start)
             round_gamma = min(gamma, left - 1) if gamma > 0 else -1  # -1: no draft at all, not even forced
             item = RoundItem(session, DraftProposal(), req.sampling, drafter, round_gamma, policy)
             reply = await self.scheduler.submit(item, limit=start + req.max_new_tokens)
+            if done == req.max_rounds and not reply.finished:  # the request's round budget: over, as at its limit
+                reply.finished, reply.finish_reason = True, "length"
             yield reply
             if reply.finished:
                 return

@@ -222,6 +222,7 @@ def test_unknown_session_and_generate_bad_fields(client, session):
     r = client.post("/v1/spec/sessions/s-nope/rounds", json=GOOD_ROUND)
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
     for body in ({"base_len": len(PROMPT), "mode": "warp"}, {"base_len": len(PROMPT), "max_new_tokens": 0},
+                 {"base_len": len(PROMPT), "max_rounds": 0}, {"base_len": len(PROMPT), "max_rounds": "few"},
                  {"base_len": len(PROMPT), "num_draft_tokens": 99}, {"base_len": len(PROMPT) + 3},
                  # refused after new_tokens would have been appended: the session must not keep them
                  {"base_len": len(PROMPT), "new_tokens": [5, 6], "mode": "server", "drafter": "model"}):

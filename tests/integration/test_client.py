@@ -132,6 +132,43 @@ def test_auto_probes_run_short_segments_and_stay_lossless(server, target, refere
     fixed.close()
 
 
+class ScriptedProbes(ModePolicy):
+    """A router that runs ``script``'s (mode, due probe?) segments in turn, then edge, and records each
+    segment's round budget as the client asks for it."""
+
+    def __init__(self, config: ModeConfig, script: list[tuple[str, bool]]) -> None:
+        super().__init__(config)
+        self.script, self.caps = list(script), []
+
+    def choose(self, kind="text", exclude=frozenset(), catchup_tokens=0):
+        mode, due = self.script.pop(0) if self.script else ("edge", False)
+        self.probing, self.scheduled = (mode, True) if due else (None, False)
+        return mode
+
+    def segment_rounds(self) -> int | None:
+        self.caps.append(super().segment_rounds())
+        return self.caps[-1]
+
+
+def test_due_probes_stop_after_their_rounds_and_stay_lossless(server, target, wrong_drafter_model, reference):
+    """A due probe runs at most ``probe_rounds`` rounds, edge's (client-side) and server's (the verifier
+    ends its request) alike: a mode that commits a token a round has lost after a few; the other segments
+    are not cut; the output is plain greedy's."""
+    script = [("server", True), ("edge", True), ("server-ar", True), ("server", False), ("edge", True)]
+    policy = ScriptedProbes(ModeConfig(probe_tokens=8, probe_rounds=2), script)
+    client = SpecClient(server.url, drafter=ModelDrafter(wrong_drafter_model), tokenizer=target.tokenizer,
+                        mode="auto", segment_tokens=8, policy=policy)
+    final = client.generate(MESSAGES, max_tokens=MAX)
+    client.close()
+    assert final.tokens == reference
+    segments = final.stats.segments
+    assert [s.mode for s in segments][:5] == [m for m, _ in script] and len(policy.caps) == len(segments)
+    assert policy.caps[:5] == [2, 2, 2, None, 2]
+    assert [s.rounds for s in segments[:3]] == [2, 2, 2] and segments[4].rounds == 2
+    assert segments[2].tokens == 2  # server-ar: a token a round
+    assert segments[3].rounds > 2 or segments[3].tokens == 8  # not cut: its 8 tokens
+
+
 class ScriptedModes(ModePolicy):
     """A router that runs the modes of ``script`` in turn (then edge) and records the catch-up it was told."""
 

@@ -66,6 +66,31 @@ def test_server_modes_equal_plain_greedy(client, references, mode):
         assert all(rep["drafted"] == 0 for rep in replies)
 
 
+@pytest.mark.parametrize("mode", ["server", "server-ar"])
+def test_a_round_budget_ends_the_request_and_the_next_goes_on_losslessly(client, references, mode):
+    """``max_rounds`` ends a generate request after that many rounds (a router's probe), as its token limit
+    would: finished, the session open; the next request continues from the committed tokens, and the whole
+    is plain greedy's."""
+    import json
+
+    prompt = make_prompt(1)
+    sid = client.post("/v1/spec/sessions", json={"prompt_ids": prompt}).json()["session_id"]
+    tokens: list[int] = []
+    budgets = []
+    while len(tokens) < MAX_NEW:
+        body = {"base_len": len(prompt) + len(tokens), "mode": mode, "max_new_tokens": MAX_NEW - len(tokens),
+                "max_rounds": 2}
+        with client.stream("POST", f"/v1/spec/sessions/{sid}/generate", json=body) as r:
+            assert r.status_code == 200
+            replies = [json.loads(line) for line in r.iter_lines() if line]
+        assert len(replies) <= 2 and replies[-1]["finished"] and replies[-1]["finish_reason"] == "length"
+        assert not any(rep["session_finished"] for rep in replies)  # the session's own limit is far off
+        budgets.append(len(replies))
+        tokens += [t for rep in replies for t in rep["tokens"]]
+    assert tokens == references[1]
+    assert budgets.count(2) >= len(budgets) - 1  # every request but the last ran out of rounds, not tokens
+
+
 def _server_mode(client: httpx.Client, prompt: list[int], **extra) -> httpx.Response | list[dict]:
     import json
 

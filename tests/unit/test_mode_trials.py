@@ -157,16 +157,20 @@ def test_a_switch_starts_with_probe_length_segments_that_double_while_it_holds_u
     policy = _edge_after_server_in_tool_calls()
     c = policy.config
     assert policy.tenure is None and policy.segment_limit() == c.segment_tokens  # never switched: whole segments
+    assert policy.segment_rounds() is None  # a whole segment: its tokens alone limit it
     assert policy.choose(kind="tool") == "server" and policy.segment_limit() == c.probe_tokens  # a trial
+    assert policy.segment_rounds() is None  # a trial's rounds decide a switch: not cut
     _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
     _winning_trials(policy, c.trial_rounds)
     limits = []
     while len(limits) < 4:
         pick = policy.choose(kind="tool")
         if policy.scheduled:  # edge's probe, due after the trials' many short segments: it loses
+            assert policy.segment_rounds() == c.probe_rounds == 3  # a due probe: a few rounds judge it
             _rounds(policy, pick, [("tool", 3, 6, 0.05)] * 2, seg_kind="tool")
             continue
         assert pick == "server" and policy.current == "server" and policy.probing is None
+        assert policy.segment_rounds() is None
         limits.append(policy.segment_limit())
         _rounds(policy, "server", [("tool", 4, 6, 0.0)] * (limits[-1] // 4), seg_kind="tool")
     assert limits == [8, 16, 32, 32] and c.probe_tokens == 8 and c.segment_tokens == 32

@@ -347,6 +347,8 @@ def test_mode_policy_judges_each_round_under_the_kind_it_drafted_in():
                                                                       rel=1e-3)
     with pytest.raises(ValueError, match="round_memory"):
         router.ModeConfig(round_memory=0)
+    with pytest.raises(ValueError, match="probe_rounds"):
+        router.ModeConfig(probe_rounds=0)
 
 
 def test_mode_policy_corrects_each_content_kind_apart():
