@@ -192,7 +192,7 @@ class SpecClient:
         seg, t0 = self._segment(run, "vllm"), time.perf_counter()
         try:
             yield from deployment_segment(run, self.deployment, self._deployment, seg,
-                                          min(self._segment_tokens(run), run.max_tokens - run.generated))
+                                          min(self._segment_budget(run)[0], run.max_tokens - run.generated))
         finally:
             self._segment_done(run, seg, t0)
 
@@ -227,7 +227,7 @@ class SpecClient:
     def _edge_segment(self, run: Run) -> Steps:
         t = yield from self._session(run, "edge")
         seg, t0, edge = self._segment(run, "edge"), time.perf_counter(), self._edge
-        limit, rounds = self._segment_tokens(run), self._segment_rounds(run)
+        limit, rounds = self._segment_budget(run)
         try:
             while run.finish is None and seg.tokens < limit and (rounds is None or seg.rounds < rounds):
                 body, draft_s, fresh, preview, prop = yield Call(edge.round, None, (run, seg, self.policy))
@@ -248,8 +248,9 @@ class SpecClient:
     def _server_segment(self, run: Run, mode: str) -> Steps:
         t = yield from self._session(run, mode)
         seg, t0 = self._segment(run, mode), time.perf_counter()
-        n = min(self._segment_tokens(run), run.max_tokens - run.generated)
-        body = run.generate_request(mode, n, self.server_drafter, self._segment_rounds(run))
+        limit, rounds = self._segment_budget(run)
+        n = min(limit, run.max_tokens - run.generated)
+        body = run.generate_request(mode, n, self.server_drafter, rounds)
         try:
             lines = yield Call(t.stream_lines, t.astream_lines, (f"/v1/spec/sessions/{run.sid}/generate", body))
             wait_s = self.policy.network_s()  # the first line comes a round trip after the request
@@ -263,14 +264,11 @@ class SpecClient:
         finally:
             self._segment_done(run, seg, t0)
 
-    def _segment_tokens(self, run: Run) -> int:
-        """The segment's token budget: the client's; in auto, the router's (shorter for a probe, and after a
-        switch: :meth:`ModePolicy.segment_limit`), as a few rounds judge a mode as well as a segment's would."""
-        return self.policy.segment_limit() if run.mode == "auto" else self.segment_tokens
-
-    def _segment_rounds(self, run: Run) -> int | None:
-        """The segment's round budget: in auto, a probe's (:meth:`ModePolicy.segment_rounds`); else none."""
-        return self.policy.segment_rounds() if run.mode == "auto" else None
+    def _segment_budget(self, run: Run) -> tuple[int, int | None]:
+        """The segment's most tokens and rounds (None: any): the client's tokens; in auto, the router's
+        (:meth:`ModePolicy.segment_limit`, :meth:`~ModePolicy.segment_rounds`: a probe's are few)."""
+        return ((self.policy.segment_limit(), self.policy.segment_rounds()) if run.mode == "auto"
+                else (self.segment_tokens, None))
 
     def _segment(self, run: Run, mode: str) -> SegmentStats:
         return SegmentStats(mode, 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions), run.kind,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,9 +56,7 @@ class VerifierEngine:
                  executor: ThreadPoolExecutor | None = None) -> None:
         """``executor``: the one-worker thread that runs the model (:func:`models.model_thread`); pass the
         one the target was loaded and warmed on so a single thread ever runs its torch ops."""
-        self.target = target
-        self.config = config
-        self.draft_model = draft_model
+        self.target, self.config, self.draft_model = target, config, draft_model
         self.vocab_size = models.vocab_size(target.model)  # no torch op on this (the caller's) thread
         self.store = KVStore(target.model, config.max_sessions, config.kv_cache_memory)
         self.metrics = metrics
@@ -278,7 +275,7 @@ class VerifierEngine:
                 session.drafter, session.drafter_kind = self._server_drafter(req.drafter, session.owner), req.drafter
             drafter = session.drafter
             policy = self.policies.get(name) if req.num_draft_tokens is None else None
-        for done in itertools.count(1):
+        for done in range(1, req.max_new_tokens + 1):  # a round commits a token at least
             left = req.max_new_tokens - (session.num_generated - start)
             round_gamma = min(gamma, left - 1) if gamma > 0 else -1  # -1: no draft at all, not even forced
             item = RoundItem(session, DraftProposal(), req.sampling, drafter, round_gamma, policy)
@@ -384,8 +381,7 @@ class VerifierEngine:
                           finished=finish is not None, session_finished=session_done, finish_reason=finish,
                           logprobs=None if out.logprobs is None else self._logprobs(new, out.logprobs),
                           timings=Timings(queue_ms=queue_ms, verify_ms=verify_s * 1e3, draft_ms=draft_s * 1e3,
-                                          batch_size=batch_size),
-                          load=self.load())
+                                          batch_size=batch_size), load=self.load())
 
     def _logprobs(self, tokens: list[int], lps: list[tuple[float, list[tuple[int, float]]]]) -> list[TokenLogprob]:
         tok = self.target.tokenizer
