@@ -147,7 +147,7 @@ class ModePolicy:
         """The most rounds of the segment :meth:`choose` just picked: a due probe's ``probe_rounds`` (a probe's
         cost is its passes: one that commits a token a round has lost after a few, and eight cost eight
         passes), else None (its tokens alone limit it). A trial is not cut: its rounds decide a switch."""
-        return self.config.probe_rounds if self.probing is not None and self.scheduled else None
+        return self.config.probe_rounds if self.scheduled else None  # scheduled: a due probe is in flight
 
     def _on_older_text(self, pick: str, kind: str) -> bool:
         """Whether switching to ``pick`` would rest on too little or too old text: ``pick`` is judged by its
