@@ -1,8 +1,11 @@
 """agentspec's CPU attention (SDPA reading grouped key/value heads in place) computes what transformers' SDPA
-path computes, bit for bit: chains over a cache, trees under their mask, one-token steps, packed batches
-(bf16 over long contexts: up to a last bit in a few elements)."""
+path computes: bit for bit for chains over a cache, trees under their mask and packed batches (bf16 over long
+contexts: up to a last bit in a few elements); one-token steps up to rounding (another summation order), and
+bit for bit what the last row of a pass over several tokens computes."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,8 +38,33 @@ def test_agentspec_attention_is_sdpa_bit_for_bit(dtype):
     ours = _passes(model)
     model.config._attn_implementation = "sdpa"  # transformers' own: repeats each key/value head per query head
     stock = _passes(model)
-    for a, b in zip(ours, stock, strict=True):
+    for a, b in zip(ours[:-1], stock[:-1], strict=True):
         assert torch.equal(a, b)
+    # the one-token step: stock runs SDPA's per-head GQA kernel, we run grouped rows (another summation order)
+    torch.testing.assert_close(ours[-1], stock[-1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("context", [40, 1500])
+def test_a_one_token_step_attends_as_the_last_row_of_a_longer_pass(dtype, context):
+    """A 1.5B's heads (12 query, 2 key/value, 128 wide): a one-token step over the cache gives, bit for bit, the
+    last row of a masked pass over the same keys (the row that sees them all), as a decode step and a verify
+    pass should; and (fp32) what repeating each key/value head per query head gives."""
+    from agentspec.models.attention import _attention, _grouped_rows
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 12, 6, 128, dtype=dtype)
+    k, v = torch.randn(1, 2, context + 6, 128, dtype=dtype), torch.randn(1, 2, context + 6, 128, dtype=dtype)
+    mask, _ = tree_attention([-1, 0, 1, 2, 3, 4], context, 0, dtype, "cpu")
+    chain = _grouped_rows(q, k, v, mask, 0.0, None)
+    step = _grouped_rows(q[:, :, -1:], k, v, None, 0.0, None)
+    assert torch.equal(step[:, 0], chain[:, -1])
+    routed, _ = _attention(SimpleNamespace(num_key_value_groups=6, layer_idx=0), q[:, :, -1:], k, v, None)
+    assert torch.equal(routed, step)  # a decode step (no mask) runs grouped rows
+    if dtype == torch.float32:
+        stock = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, -1:], k.repeat_interleave(6, 1), v.repeat_interleave(6, 1)).transpose(1, 2)
+        torch.testing.assert_close(step, stock, atol=1e-6, rtol=1e-5)
 
 
 def test_load_model_runs_cpu_inference_models_on_it(tmp_path):
