@@ -50,14 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = httpx.Client(base_url=srv.url, timeout=600)
         prompt = [(i * 7919) % 150000 for i in range(args.context)]
-        info = client.post("/v1/spec/sessions", json={"prompt_ids": prompt, "max_new_tokens": 4000}).json()
+        info = client.post("/v1/spec/sessions", json={"prompt_ids": prompt, "max_new_tokens": 4000,
+                                                        "stop_token_ids": []}).json()
         sid, base = info["session_id"], len(prompt)
         samples: dict[int, list[float]] = {n: [] for n in sizes}
         for rep in range(args.reps + 1):  # repetition 0 is a warm-up
             for n in sizes:
                 body = {"base_len": base, "draft": tree(n), "sampling": {}}
                 reply = client.post(f"/v1/spec/sessions/{sid}/rounds", json=body)
-                reply.raise_for_status()
+                if reply.is_error:
+                    raise SystemExit(f"round of {n} nodes refused ({reply.status_code}): {reply.text}")
                 base = reply.json()["committed_len"]
                 if rep:
                     samples[n].append(reply.json()["timings"]["verify_ms"])
