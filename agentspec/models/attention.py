@@ -70,12 +70,11 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
 def _grouped_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                   dropout: float, scaling: float | None) -> torch.Tensor:
     """A pass under grouped-query attention (several queries under a mask, or a one-token step with ``mask``
-    None), with each key/value head's query heads
-    stacked as rows of one head (``[b, kv, group * q, d]``, the mask repeated per query head): the CPU kernel
-    then reads each key/value block once for the whole group, where ``enable_gqa`` reads it once per query
-    head. A verify pass's attention over an agent's 1,800-token context took about 40 % less (a 1.5B's
-    12-token tree); fp32 output is the same bits, bf16 the same up to the last bit in a few elements.
-    A mask with a head dimension of its own runs ``enable_gqa``."""
+    None), with each key/value head's query heads stacked as rows of one head (``[b, kv, group * q, d]``, the
+    mask repeated per query head): the CPU kernel then reads each key/value block once for the whole group,
+    where ``enable_gqa`` reads it once per query head. A verify pass's attention over an agent's 1,800-token
+    context took about 40 % less (a 1.5B's 12-token tree); fp32 output is the same bits as repeated heads, bf16
+    the same up to the last bit in a few elements. A mask with a head dimension of its own runs ``enable_gqa``."""
     b, heads, q, d = query.shape
     kv = key.shape[1]
     if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1):
