@@ -12,6 +12,7 @@ import torch
 from agentspec import models
 from agentspec.client import SpecClient
 from agentspec.drafters import ModelDrafter
+from agentspec.router import DraftLengthPolicy
 from tests.helpers import plain_greedy
 from tests.integration.server import LoopbackServer, config
 
@@ -48,6 +49,10 @@ def test_rounds_carry_at_most_the_verifiers_flat_draft_and_stay_lossless(target,
         assert measured == models.flat_draft_tokens(srv.engine.verify_costs)
         assert measured is None or measured <= srv.engine.config.max_draft_tokens
         srv.engine.flat_draft_tokens = 3
+        # and flat in its server-side γ policies too: a tiny model's measured curve is mostly per-pass overhead
+        # (its 2-token pass can cost twice a 1-token one), which would keep the server drafting nothing
+        flat = {k: 1e-3 for k in range(1, srv.engine.config.max_draft_tokens + 2)}
+        srv.engine.policies |= {name: DraftLengthPolicy.from_calibration(flat) for name in srv.engine.policies}
         sizes: list[int] = []
         execute = srv.engine.execute
 
