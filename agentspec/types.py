@@ -144,6 +144,28 @@ class DraftProposal:
         probs = self.draft_probs[:n] if self.draft_probs is not None else None
         return DraftProposal(self.tokens[:n], parents, probs, self.source, min(self.num_forced, n))
 
+    def within(self, n: int) -> DraftProposal:
+        """At most ``n`` nodes for a pass that can carry no more: the main path first (:meth:`spine`), then
+        the other nodes in topological order while their parent is kept and room is left. A drafter's tree
+        lists each chain token's sibling leaves right after it, so :meth:`head` would trade the chain's depth
+        for leaves the target takes far less often (a 12-node tree cut to 5 kept 3 chain tokens). Each
+        kept node keeps the first of its children (in order): a sampled tree's siblings stay a prefix of
+        its draws, as its verification needs."""
+        if n >= len(self.tokens) or self.parents is None:
+            return self.head(n)
+        keep = set(self.spine()[: max(n, 0)])
+        for i, p in enumerate(self.parents):
+            if len(keep) >= n:
+                break
+            if i not in keep and (p < 0 or p in keep):
+                keep.add(i)
+        kept = sorted(keep)
+        index = {old: new for new, old in enumerate(kept)}
+        parents = tuple(index[self.parents[i]] if self.parents[i] >= 0 else -1 for i in kept)
+        probs = None if self.draft_probs is None else tuple(self.draft_probs[i] for i in kept)
+        return DraftProposal(tuple(self.tokens[i] for i in kept), parents, probs, self.source,
+                             min(self.num_forced, len(kept)))
+
     def spine(self) -> list[int]:
         """The nodes of the main path: the first root, then each node's first child (a chain drafter's own
         picks, its siblings after them; a merged tree's first candidate). A chain is all spine."""

@@ -36,8 +36,7 @@ from agentspec.types import DraftProposal, SamplingParams
 log = logging.getLogger(__name__)
 
 # pipelined edge drafting pays off once a round's drafting costs more than handing its request to another
-# thread and back: with a 0.1-0.3 ms n-gram drafter it hid nothing, and in the router benchmark's --quick
-# run (in-process verifier, 2 cores) edge rounds came out 25-29 % above the closed form against 4-14 % off
+# thread and back (a sub-millisecond n-gram drafter's rounds ran slower pipelined than not)
 PIPELINE_MIN_DRAFT_S = 0.002
 CATCHUP_CHUNK = 128  # the most tokens per catch-up prefill (longer ones barely run faster per token)
 RESYNC_MIN = 8  # tokens two renderings of a prompt must share in a row to be taken as aligned (resync)
@@ -84,7 +83,7 @@ class EdgeDrafting:
         made = 0 if ahead is None else len(ahead[1].spine()) - ahead[1].num_forced  # free drafts γ may use
         gamma = -1
         if left > 0:
-            gamma = min(policy.gamma("edge", self.num_draft_tokens, kind=run.kind, drafted=made,
+            gamma = min(policy.gamma("edge", self.gamma_max(run), kind=run.kind, drafted=made,
                                      pipelined=self._pipelining()), left)
         fresh = 0
         if ahead is not None and gamma >= 0:
@@ -101,7 +100,7 @@ class EdgeDrafting:
             if caught:  # a prefill: the router charges it to switching to edge, not to the tokens drafted
                 seg.catchup_s += caught_s
                 policy.observe_catchup(caught, caught_s)
-        prop = prop.head(run.flat_draft_tokens)  # forced spans and tree leaves ride on top of γ
+        prop = prop.within(run.flat_draft_tokens)  # forced spans and tree leaves ride on top of γ
         if log.isEnabledFor(logging.DEBUG):
             log.debug("edge round (%s): γ %d (%d drafted ahead), %d nodes (%d forced), %.1f ms drafting; tokens/s "
                       "by γ %s", run.kind, gamma, made, len(prop), prop.num_forced, 1e3 * draft_s,
@@ -110,6 +109,10 @@ class EdgeDrafting:
         if self.preview and self.tokenizer is not None and prop.tokens and not prop.is_tree:
             preview = self.tokenizer.decode(list(prop.tokens), skip_special_tokens=True)
         return EdgeRound(run.round_request(prop), draft_s, fresh, preview, prop)
+
+    def gamma_max(self, run: Run) -> int:
+        """γ's ceiling: the client's, within the verifier's ``flat_draft_tokens`` (more would be cut unsent)."""
+        return min(self.num_draft_tokens, run.flat_draft_tokens)
 
     def _pipelining(self) -> bool:
         """Whether this client drafts rounds ahead while one is in flight (:meth:`pipelines` asks more of each
@@ -281,7 +284,7 @@ class EdgeDrafting:
             seg.draft_ahead_s += caught_up
             if catchup_tokens(run.drafter, hypothesis) or arrived():
                 return caught_up  # the next round drafts afresh, from where the catch-up got to
-        nxt, seconds, (_, caught_s) = self._propose(run, 1 + min(self.num_draft_tokens, left), hypothesis,
+        nxt, seconds, (_, caught_s) = self._propose(run, 1 + min(self.gamma_max(run), left), hypothesis,
                                                     self._before_reply(arrived))
         if len(nxt.spine()) > 1 and (run.sampling.greedy or not nxt.is_tree):  # the guess, a draft after it
             run.ahead = ((*hypothesis, nxt.tokens[0]), nxt.cut(1, len(nxt)))
@@ -368,10 +371,9 @@ class EdgeDrafting:
 def resync(render: list[int], last: list[int], min_match: int = RESYNC_MIN) -> list[int]:
     """``render`` (a prompt rendered with the client's chat template) with its part that matches ``last`` (the
     server's prompt of an earlier session, rendered with the target's) taken from ``last``: templates that
-    differ by a few characters (Qwen2.5-Coder 0.5B's and 1.5B's tool instructions) part early in the system
-    turn, and without this the drafter would prefill everything after that, twice. After the common prefix,
-    the two are aligned (:class:`difflib.SequenceMatcher`); the last block of at least ``min_match`` tokens
-    they share ends the part taken from ``last``, the rest is ``render``'s (the messages new since)."""
+    differ by a few characters (Qwen2.5-Coder 0.5B's and 1.5B's) part early, and the drafter would prefill
+    the rest twice. After the common prefix the two are aligned (:class:`difflib.SequenceMatcher`); the last
+    block of at least ``min_match`` tokens they share ends the part taken from ``last``, the rest is ``render``'s."""
     start = common_prefix(render, last)
     if start == len(last) or start == len(render):
         return render

@@ -59,12 +59,25 @@ def test_rounds_carry_at_most_the_verifiers_flat_draft_and_stay_lossless(target,
         def recording(items, limits):  # the real pass, with each round's draft size noted
             out = execute(items, limits)
             sizes.extend(len(item.draft) for item in items)
+            drafts.extend(item.draft for item in items if len(item.draft))
             return out
 
+        class Asked(ModelDrafter):  # the chain lengths the client asks its drafter for
+            def propose(self, ctx, k, lead=()):
+                asked.append(k)
+                return super().propose(ctx, k, lead)
+
+        asked: list[int] = []
+        drafts: list = []
         srv.engine.execute = recording
-        client = SpecClient(srv.url, drafter=ModelDrafter(close, tree_width=2), tokenizer=target.tokenizer,
+        client = SpecClient(srv.url, drafter=Asked(close, tree_width=2), tokenizer=target.tokenizer,
                             mode=mode, num_draft_tokens=6, segment_tokens=8)
         final = client.generate(MESSAGES, max_tokens=MAX)
         client.close()
     assert final.tokens == reference
     assert sizes and max(sizes) == 3  # the cap binds, and holds for every round
+    if mode == "edge":
+        # no chain token is drafted past the cap (a draft ahead asks for its guess too), and a capped tree
+        # keeps its chain's depth over sibling leaves: some round sends the three-deep chain
+        assert asked and max(asked) <= 3 + 1
+        assert any(len(d.spine()) == 3 for d in drafts)

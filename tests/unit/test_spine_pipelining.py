@@ -44,6 +44,32 @@ def test_a_cut_of_a_chain_shifts_the_forced_lead():
     assert chain.cut(0, 1).num_forced == 1
 
 
+@pytest.mark.parametrize(("n", "tokens", "parents"), [
+    (6, (10, 20, 11, 21, 12, 22), (-1, -1, 0, 0, 2, 2)),  # room for all of it
+    (3, (10, 11, 12), (-1, 0, 1)),  # the chain's depth before any leaf (head(3) would keep 10, 20, 11)
+    (4, (10, 20, 11, 12), (-1, -1, 0, 2)),  # then the leaves in order: the shallowest first
+    (5, (10, 20, 11, 21, 12), (-1, -1, 0, 0, 2)),
+    (1, (10,), (-1,)),
+    (0, (), ()),
+])
+def test_a_capped_round_keeps_the_spine_first_then_leaves_in_order(n, tokens, parents):
+    kept = SIBLINGS.within(n)
+    assert kept.tokens == tokens and kept.parents == parents
+    assert all(p < i for i, p in enumerate(kept.parents))  # topological: every parent before its children
+
+
+def test_a_capped_round_keeps_the_forced_lead_probs_and_a_prefix_of_each_nodes_children():
+    dist = ((1,), (1.0,))
+    tree = DraftProposal(tokens=(1, 2, 3, 4, 5, 6), parents=(-1, 0, 1, 1, 1, 2),
+                         draft_probs=(None, None, dist, dist, dist, dist), num_forced=2)
+    kept = tree.within(5)  # spine 1-2-3-6, then node 2's next child (4) before its last (5)
+    assert kept.tokens == (1, 2, 3, 4, 6) and kept.parents == (-1, 0, 1, 1, 2)
+    assert kept.num_forced == 2 and kept.draft_probs == (None, None, dist, dist, dist)
+    assert tree.within(1).num_forced == 1
+    chain = DraftProposal(tokens=(1, 2, 3), num_forced=1)
+    assert chain.within(2) == chain.head(2) and chain.within(9) is chain
+
+
 def test_a_tail_hangs_below_the_spines_last_node():
     tail = DraftProposal(tokens=(13, 23), parents=(-1, -1))
     joined = _join(SIBLINGS, tail)
