@@ -276,8 +276,7 @@ class SpecClient:
 
     def _commit(self, run: Run, seg: SegmentStats, timed: Timed, draft_s: float, fresh: int = 0,
                 prop: DraftProposal | None = None) -> list[Any]:
-        """Count a round's reply (to ``prop``, an edge round's draft), tell the router, commit its tokens;
-        return the events they make final."""
+        """Count a round's reply (to ``prop``, an edge round's draft), tell the router, commit; its events."""
         reply = RoundReply.model_validate(timed.body)
         taken = run.taken(prop, reply) if prop is not None else None
         server_s = (reply.timings.verify_ms + reply.timings.draft_ms) / 1e3
@@ -285,7 +284,8 @@ class SpecClient:
         events = run.apply(reply)
         self.policy.observe_round(seg.mode, reply.drafted, reply.accepted, len(reply.tokens), wall_s=timed.wall_s,
                                   server_s=server_s, verify_s=reply.timings.verify_ms / 1e3, draft_s=draft_s,
-                                  waiting=reply.load.waiting, kind=run.round_kind, fresh=fresh, taken=taken)
+                                  waiting=reply.load.waiting, kind=run.round_kind, fresh=fresh, taken=taken,
+                                  segment_kind=seg.kind)
         return events
 
     def _segment_done(self, run: Run, seg: SegmentStats, t0: float) -> None:

@@ -82,6 +82,8 @@ class ModePolicy:
     # kind -> decayed sums of (seconds, nodes) an edge round drafted on its critical path: t_d per node of γ̄
     edge_drafting: dict[str, tuple[float, float]] = field(default_factory=dict)
     t_catchup: float | None = None  # the local model drafter's prefill seconds per token it catches up on (EMA)
+    # segment start kind -> round kind -> decayed tokens its segments committed in rounds of that kind
+    kind_mix: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def modes(self) -> list[str]:
@@ -180,7 +182,21 @@ class ModePolicy:
         return 2 * interval if mode == "edge" and catchup_tokens else interval
 
     def predicted(self, mode: str, kind: str = "text") -> float:
-        """Expected seconds per token of ``mode`` now: the corrected closed form, else the measured EMA."""
+        """Expected seconds per token of ``mode`` for a segment that starts in ``kind``: for the modes whose
+        rounds depend on the text (edge, server), each round kind's estimate (:meth:`_predicted_in`) weighed by
+        its share of the tokens such segments committed (:attr:`kind_mix`). A call's opening segment starts in
+        text, its fence, and goes on in its JSON: priced as prose rounds alone, edge came out at twice what it
+        measured there and lost segments to plain decoding."""
+        mix = self.kind_mix.get(kind, {})
+        total = sum(mix.values())
+        # a shadowed mode's figures are replays over whole segments, already of the kinds they went on in
+        if mode not in ("edge", "server") or mode in self.config.shadowed or total <= 0 or set(mix) == {kind}:
+            return self._predicted_in(mode, kind)
+        return sum(tokens / total * self._predicted_in(mode, k) for k, tokens in mix.items())
+
+    def _predicted_in(self, mode: str, kind: str) -> float:
+        """Expected seconds per token of ``mode``'s rounds of ``kind``: the corrected closed form, else the
+        measured EMA."""
         cost = self.closed_form(mode, kind=kind)
         if cost is None:
             cost = self.seconds_per_token.get(mode, 0.0)
@@ -243,13 +259,21 @@ class ModePolicy:
 
     def observe_round(self, mode: str, drafted: int, accepted: int, emitted: int, *, wall_s: float,
                       server_s: float, verify_s: float, draft_s: float, waiting: int | None = None,
-                      kind: str = "text", fresh: int | None = None, taken: Taken | None = None) -> None:
+                      kind: str = "text", fresh: int | None = None, taken: Taken | None = None,
+                      segment_kind: str | None = None) -> None:
         """One round's reply as the client saw it; ``wall_s`` is the request's wall time (drafting excluded),
-        ``waiting`` the server's queue when it reported its load, ``kind`` what the round drafted, ``fresh``
-        the tokens drafted on its critical path (in ``draft_s``; the rest were drafted ahead), ``taken`` what the
-        target took of an edge round's draft (:meth:`~agentspec.client.run.Run.taken`; default: a chain)."""
+        ``waiting`` the server's queue when it reported its load, ``kind`` what the round drafted (its
+        ``emitted`` tokens count toward :attr:`kind_mix` of ``segment_kind``, the kind its segment started
+        in), ``fresh`` the tokens drafted on its critical path (in ``draft_s``; the rest were drafted ahead),
+        ``taken`` what the target took of an edge round's draft (:meth:`~agentspec.client.run.Run.taken`;
+        default: a chain)."""
         if waiting is not None:
             self.server_waiting = int(waiting)
+        if segment_kind is not None and emitted:
+            mix, keep = self.kind_mix.setdefault(segment_kind, {}), 1.0 - 1.0 / self.config.round_memory
+            for k in mix:
+                mix[k] *= keep
+            mix[kind] = mix.get(kind, 0.0) + emitted
         if verify_s > 0:
             self.server_costs.observe(drafted, verify_s)
         if mode == "server" and drafted and server_s > verify_s:

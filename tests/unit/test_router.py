@@ -318,7 +318,7 @@ def _rounds(policy: router.ModePolicy, mode: str, rounds: list[tuple[str, int, i
         verify = _t_v(drafted)
         server = verify + (0.001 * drafted if mode == "server" else 0.0)
         policy.observe_round(mode, drafted, max(tokens - 1, 0), tokens, wall_s=server + 0.02, server_s=server,
-                             verify_s=verify, draft_s=0.0, kind=kind)
+                             verify_s=verify, draft_s=0.0, kind=kind, segment_kind=seg_kind)
         wall, drafted_sum = wall + server + 0.02 + between, drafted_sum + drafted
     tokens = sum(r[1] for r in rounds)
     policy.observe_segment(mode, wall / tokens, tokens=tokens, rounds=len(rounds), drafted=int(drafted_sum),
@@ -349,6 +349,27 @@ def test_mode_policy_judges_each_round_under_the_kind_it_drafted_in():
         router.ModeConfig(round_memory=0)
     with pytest.raises(ValueError, match="probe_rounds"):
         router.ModeConfig(probe_rounds=0)
+
+
+def test_a_segment_is_priced_by_the_kinds_its_start_kind_goes_on_in():
+    """An agent's calls open in text (the fence) and go on in JSON, which edge drafts well; its answers are
+    prose, which it drafts poorly. A segment that starts in text is priced by the share of its tokens each
+    round kind committed, not as prose alone (which priced the calls' opening segments at twice what edge
+    measured there, and lost them to plain decoding at a 100 ms link); plain decoding is priced as before."""
+    policy = router.ModePolicy(router.ModeConfig(segment_tokens=32))
+    policy.observe_open(0.1, 0.0)
+    for _ in range(4):  # an opening segment: one fence round, then the call's JSON
+        _rounds(policy, "edge", [("text", 1, 4, 0.0)] + [("tool", 5, 5, 0.0)] * 6, seg_kind="text")
+        _rounds(policy, "edge", [("text", 2, 4, 0.0)] * 4, seg_kind="text")  # an answer
+    mix = policy.kind_mix["text"]
+    assert 0.6 < mix["tool"] / sum(mix.values()) < 30 / 39  # decayed: the answers came last
+    text, tool = policy._predicted_in("edge", "text"), policy._predicted_in("edge", "tool")
+    assert text > 2 * tool
+    assert policy.predicted("edge", "text") == pytest.approx((mix["text"] * text + mix["tool"] * tool)
+                                                             / sum(mix.values()))
+    assert policy.predicted("edge", "text") < 0.6 * text
+    assert policy.predicted("edge", "tool") == tool  # tool segments stayed in JSON
+    assert policy.predicted("server-ar", "text") == policy._predicted_in("server-ar", "text")
 
 
 def test_mode_policy_corrects_each_content_kind_apart():
