@@ -187,11 +187,11 @@ class ModePolicy:
         its share of the tokens such segments committed (:attr:`kind_mix`). A call's opening segment starts in
         text, its fence, and goes on in its JSON: priced as prose rounds alone, edge came out at twice what it
         measured there and lost segments to plain decoding."""
-        mix = self.kind_mix.get(kind, {})
-        total = sum(mix.values())
+        mix = self.kind_mix.get(kind)
         # a shadowed mode's figures are replays over whole segments, already of the kinds they went on in
-        if mode not in ("edge", "server") or mode in self.config.shadowed or total <= 0 or set(mix) == {kind}:
+        if not mix or mode not in ("edge", "server") or mode in self.config.shadowed:
             return self._predicted_in(mode, kind)
+        total = sum(mix.values())
         return sum(tokens / total * self._predicted_in(mode, k) for k, tokens in mix.items())
 
     def _predicted_in(self, mode: str, kind: str) -> float:
