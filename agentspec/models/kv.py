@@ -25,12 +25,13 @@ from agentspec.models.loading import LoadedModel
 __all__ = ["cache_length", "cache_nbytes", "check_divergence", "copy_cache_prefix", "crop_cache", "forward",
            "flat_draft_tokens", "flat_pass_len", "forward_batch", "keep_cache_positions", "logit_path_noise", "logits_at",
            "measure_verify_cost",
-           "new_cache", "synchronize"]
+           "new_cache", "spare_positions", "synchronize"]
 
 
 def new_cache(model: Any, spare: bool = False) -> Any:
     """An empty cache that can be cropped and re-indexed. ``spare``: its full-attention layers keep room to
-    grow (:class:`SpareLayer`), for a cache one or two tokens are appended to per pass (a model drafter's)."""
+    grow (:class:`SpareLayer`), for a cache a few tokens are appended to per pass (a model drafter's, a
+    verifier session's): a stock layer copies all of itself on every append."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -48,10 +49,11 @@ def _spare_class() -> type:
     class SpareLayer(DynamicLayer):
         """A ``DynamicLayer`` whose keys and values are views of buffers with room to spare, so appending a
         token writes it in place instead of concatenating (copying) the whole layer, which at an agent's
-        context length is a sizeable share of a small drafter's step. The buffers double when full; a crop
-        only shortens the views (the next tokens overwrite what it dropped). Anything that puts other
-        tensors in ``keys``/``values`` (a batch re-index) is picked up by the next append, which copies
-        them into fresh buffers."""
+        context length is a sizeable share of a small drafter's step, and of a 1.5B target's verify pass
+        (56 copies of the whole cache, fresh pages each). When full, the buffers are reallocated with
+        :func:`spare_positions` room; a crop only shortens the views (the next tokens overwrite what it
+        dropped). Anything that puts other tensors in ``keys``/``values`` (a batch re-index) is picked up
+        by the next append, which copies them into fresh buffers."""
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +62,7 @@ def _spare_class() -> type:
             n, add = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
             bufs = getattr(self, "_bufs", None)
             if bufs is None or n + add > bufs[0].shape[-2] or not _views_of(bufs, self.keys, self.values):
-                cap = max(2 * (n + add), 64)
+                cap = spare_positions(n + add)
                 bufs = tuple(x.new_empty((*x.shape[:-2], cap, x.shape[-1])) for x in (key_states, value_states))
                 if n:
                     bufs[0][..., :n, :].copy_(self.keys)
@@ -76,6 +78,12 @@ def _spare_class() -> type:
             super().reset()
 
     return SpareLayer
+
+
+def spare_positions(length: int) -> int:
+    """The positions a spare cache layer allocates when it must hold ``length``: a sixteenth more (at least 16),
+    so a buffer is copied once per sixteenth of growth while a KV budget pays at most that for the room."""
+    return length + max(16, length // 16)
 
 
 def _views_of(bufs: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -118,18 +126,26 @@ def keep_cache_positions(cache: Any, keep_prefix: int, extra: list[int]) -> None
 
 
 def cache_nbytes(cache: Any) -> int:
-    """Bytes held by a cache's key and value tensors."""
-    return sum(t.numel() * t.element_size()
-               for _, layer in _filled_layers(cache) for t in (layer.keys, layer.values))
+    """Bytes held by a cache's key and value tensors (a spare layer's whole buffers, room included)."""
+    total = 0
+    for _, layer in _filled_layers(cache):
+        bufs = getattr(layer, "_bufs", None)
+        held = bufs if bufs is not None and _views_of(bufs, layer.keys, layer.values) else (layer.keys, layer.values)
+        total += sum(t.numel() * t.element_size() for t in held)
+    return total
 
 
-def copy_cache_prefix(model: Any, cache: Any, length: int) -> Any:
-    """A new cache holding copies of the first ``length`` positions of ``cache``."""
-    out = new_cache(model)
+def copy_cache_prefix(model: Any, cache: Any, length: int, spare: bool = False) -> Any:
+    """A new cache (``spare``: see :func:`new_cache`) holding copies of the first ``length`` positions of
+    ``cache``."""
+    out = new_cache(model, spare=spare)
     if length <= 0:
         return out
     for idx, layer in _filled_layers(cache):
-        out.update(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone(), idx)
+        keys, values = layer.keys[..., :length, :], layer.values[..., :length, :]
+        if not spare:  # a spare layer copies what it is given into its own buffers
+            keys, values = keys.clone(), values.clone()
+        out.update(keys, values, idx)
     return out
 
 

@@ -138,12 +138,12 @@ class KVStore:
             donor, reuse = self._best_prefix(owner, tokens)
             keep = donor.id if donor is not None else None
             self._make_room_for_session(owner, keep)  # at the session cap, an agent's last step is its donor
-            need = self.bytes_per_token * len(tokens)
+            need = self.bytes_per_token * models.spare_positions(len(tokens))  # the room its buffers keep
             if need:
                 self._evict_until(self.capacity_bytes - need, owner, keep=keep)
-            cache = models.new_cache(self.model)
+            cache = models.new_cache(self.model, spare=True)  # rounds append in place: no copy of the cache
             if donor is not None and reuse > 0:
-                cache = models.copy_cache_prefix(self.model, donor.cache, reuse)
+                cache = models.copy_cache_prefix(self.model, donor.cache, reuse, spare=True)
             session = Session(id="s-" + secrets.token_urlsafe(12), owner=owner, tokens=list(tokens),
                               num_prompt_tokens=len(tokens), cache=cache, max_new_tokens=max_new_tokens,
                               stop_token_ids=stop_token_ids, num_cached=reuse)

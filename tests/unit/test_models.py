@@ -264,3 +264,22 @@ def test_a_spare_cache_gives_the_stock_caches_logits_through_crops_keeps_and_gro
     layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # tensors put there from outside
     both([11], 1)
     assert models.cache_length(spare) > 64  # it grew past its first buffer
+
+
+def test_a_spare_caches_bytes_count_its_room_and_a_spare_prefix_copy_owns_its_buffers():
+    """A KV budget must see what a spare cache holds, room included; a spare copy of a prefix must not share
+    memory with its donor (a verifier session's rounds write in place)."""
+    lm = tiny_model(seed=6)
+    stock, spare = models.new_cache(lm.model), models.new_cache(lm.model, spare=True)
+    prompt = list(range(3, 40))
+    for cache in (stock, spare):
+        models.forward(lm.model, prompt, cache, 1)
+    per_position = models.cache_nbytes(stock) // len(prompt)
+    assert models.cache_nbytes(spare) == per_position * models.spare_positions(len(prompt)) > models.cache_nbytes(stock)
+    copy = models.copy_cache_prefix(lm.model, spare, 30, spare=True)
+    assert models.cache_length(copy) == 30
+    assert copy.layers[0].keys.data_ptr() != spare.layers[0].keys.data_ptr()
+    after = models.forward(lm.model, [7, 8], copy, 2)  # writes positions 30-31 of the copy, in place
+    assert torch.equal(after, models.forward(lm.model, [7, 8], models.copy_cache_prefix(lm.model, stock, 30), 2))
+    assert torch.equal(models.forward(lm.model, [9], spare, 1),
+                       models.forward(lm.model, [9], stock, 1))  # the copy wrote none of the donor
