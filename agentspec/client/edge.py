@@ -102,8 +102,8 @@ class EdgeDrafting:
                 policy.observe_catchup(caught, caught_s)
         prop = prop.within(run.flat_draft_tokens)  # forced spans and tree leaves ride on top of γ
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("edge round (%s): γ %d (%d drafted ahead), %d nodes (%d forced), %.1f ms drafting; tokens/s "
-                      "by γ %s", run.kind, gamma, made, len(prop), prop.num_forced, 1e3 * draft_s,
+            log.debug("edge round (%s, %s): γ %d (%d drafted ahead), %d nodes (%d forced), %.1f ms drafting; "
+                      "tokens/s by γ %s", run.mode, run.kind, gamma, made, len(prop), prop.num_forced, 1e3 * draft_s,
                       {g: round(r, 2) for g, r in policy.edge.last_rates.items()})
         preview = ""
         if self.preview and self.tokenizer is not None and prop.tokens and not prop.is_tree:

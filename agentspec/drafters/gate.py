@@ -56,6 +56,7 @@ class ModelGate:
         self.w1: float | None = None  # ... with them
         self.samples = 0  # rounds with the model that were judged
         self.off_rounds = 0  # rounds drafted without the model since it last drafted
+        self.paused = False  # the last judgeable round was taken for a pause
 
     @property
     def pays(self) -> bool:
@@ -92,8 +93,12 @@ class ModelGate:
         if len(committed) > longest + 1:
             return  # more than a round can commit: a new turn (a tool result, a user message) followed
         elapsed = self.clock() - last.started
-        if self.round_s is not None and elapsed - last.model_s > 4 * self.round_s:
-            return  # the caller paused between rounds (an agent step): not a round's time
+        if self.round_s is not None and elapsed - last.model_s > 4 * self.round_s and not self.paused:
+            self.paused = True  # the caller paused between rounds (an agent step): not a round's time
+            return
+        # a second long gap in a row: the rounds themselves got slower (or the average began on a fast
+        # outlier), and a filter that dropped them all would never sample again
+        self.paused = False
         self.round_s = ema(self.round_s, max(elapsed - last.model_s, 1e-6), self.weight)
         if not last.model:
             return

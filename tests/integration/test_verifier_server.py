@@ -289,14 +289,19 @@ def _nbytes(cache) -> int:
 def test_a_draft_model_that_adds_nothing_sits_out_across_sessions(target, wrong_drafter_model, references):
     """The default tree with a --draft-model that never adds a token beyond the copies: every session still
     decodes plain greedy, and the API key's one gate, judged over all its sessions (an agent's steps), turns
-    the model off; a second key starts from its own, fresh gate."""
+    the model off; a second key starts from its own, fresh gate. The gate judges only rounds the model drafted
+    in, and the server's draft-length policy soon drafts a wrong model only in its probes, every so many
+    rounds: as many sessions as the gate needs to see ``warmup`` of them (two to four sessions' worth)."""
     with LoopbackServer(target, config(), draft_model=wrong_drafter_model) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
-        for s in range(4):
-            replies = _server_mode(c, make_prompt(s), drafter="default")
-            assert [t for rep in replies for t in rep["tokens"]] == references[s]
         gates = srv.engine.model_gates
-        (gate,) = gates._gates.values()
+        for s in range(12):
+            reference = references[s] if s in references else plain_greedy(target, make_prompt(s), MAX_NEW)
+            replies = _server_mode(c, make_prompt(s), drafter="default")
+            assert [t for rep in replies for t in rep["tokens"]] == reference
+            (gate,) = gates._gates.values()
+            if gate.samples >= gate.warmup:
+                break
         assert gate.samples >= gate.warmup and not gate.pays
         assert gate.w1 < gate.w0 + 0.25  # the rare token a random model gets right is not worth its time
         assert gates.get("another owner").samples == 0

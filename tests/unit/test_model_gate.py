@@ -83,8 +83,23 @@ def test_new_turns_pauses_and_other_conversations_are_not_judged():
     clock.now += 10.0  # the caller ran a tool between two requests: not a round's time
     gate.use_model([5, 1, 1, 2, 3, 1, 2], last)
     assert gate.samples == 1 and gate.round_s == pytest.approx(0.3)
+    last = gate.drafted([5, 1, 1, 2, 3, 1, 2], [[1]], [[1, 2]], 0.1, clock.now)
+    clock.now += 0.4  # a round's time again after the pause: judged
+    gate.use_model([5, 1, 1, 2, 3, 1, 2, 1, 2], last)
+    assert gate.samples == 2 and gate.round_s == pytest.approx(0.3)
     with pytest.raises(ValueError):
         ModelGate(probe_every=0)
+
+
+def test_rounds_that_got_slower_are_judged_after_one_is_taken_for_a_pause():
+    """An average begun on a fast round (or a server that got busier) must not make every later round look
+    like a pause: the gate would never judge the model again."""
+    clock = Clock()
+    gate = ModelGate(warmup=4, clock=clock)
+    play(gate, clock, 2, others=[1, 9], model=[1, 2], committed=[1, 2, 3], verify_s=0.01)
+    assert gate.samples == 1 and gate.round_s == pytest.approx(0.01)
+    play(gate, clock, 8, others=[1, 9], model=[1, 2], committed=[1, 2, 3], verify_s=0.3)
+    assert gate.samples >= 4 and gate.round_s > 0.1  # the first slow round is taken for a pause, not the rest
 
 
 def test_sessions_of_one_key_share_a_gate_and_keys_do_not():
