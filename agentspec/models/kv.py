@@ -49,8 +49,8 @@ def _spare_class() -> type:
     class SpareLayer(DynamicLayer):
         """A ``DynamicLayer`` whose keys and values are views of buffers with room to spare, so appending a
         token writes it in place instead of concatenating (copying) the whole layer, which at an agent's
-        context length is a sizeable share of a small drafter's step, and of a 1.5B target's verify pass
-        (56 copies of the whole cache, fresh pages each). When full, the buffers are reallocated with
+        context length is a sizeable share of a small drafter's step (a verifier session's pass copied the
+        whole cache twice a layer too: a few ms of a 1.5B's pass). When full, the buffers are reallocated with
         :func:`spare_positions` room; a crop only shortens the views (the next tokens overwrite what it
         dropped). Anything that puts other tensors in ``keys``/``values`` (a batch re-index) is picked up
         by the next append, which copies them into fresh buffers."""
