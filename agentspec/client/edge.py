@@ -11,7 +11,7 @@ import difflib
 import logging
 import math
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -24,11 +24,9 @@ from agentspec.drafters.base import (
     catch_up,
     catchup_tokens,
     common_prefix,
-    known_next,
     propose_round,
     take_catchup,
 )
-from agentspec.drafters.replay import replay_known_next, shadow_replays
 from agentspec.router import ModePolicy, ema
 from agentspec.toolcalls import normalise_tools, render_chat
 from agentspec.types import DraftProposal, SamplingParams
@@ -78,6 +76,7 @@ class EdgeDrafting:
         the router."""
         left = run.max_tokens - run.generated - 1  # no draft at all with one token left (γ = -1)
         ahead, run.ahead = run.ahead, None
+        cold = not seg.rounds and ahead is None
         if ahead is not None and ahead[0] != tuple(run.tokens):
             ahead = None  # its hypothesis failed
         made = 0 if ahead is None else len(ahead[1].spine()) - ahead[1].num_forced  # free drafts γ may use
@@ -101,6 +100,8 @@ class EdgeDrafting:
                 seg.catchup_s += caught_s
                 policy.observe_catchup(caught, caught_s)
         prop = prop.within(run.flat_draft_tokens)  # forced spans and tree leaves ride on top of γ
+        if cold:
+            seg.entry_s = draft_s
         if log.isEnabledFor(logging.DEBUG):
             log.debug("edge round (%s, %s): γ %d (%d drafted ahead), %d nodes (%d forced), %.1f ms drafting; "
                       "tokens/s by γ %s", run.mode, run.kind, gamma, made, len(prop), prop.num_forced, 1e3 * draft_s,
@@ -247,28 +248,6 @@ class EdgeDrafting:
             if bound[n] == math.inf:
                 return n  # try it: its time is measured from now on
         return n
-
-    def shadow(self, run: Run, seg: SegmentStats, policy: ModePolicy, shadows: Mapping[str, Any] | None = None
-               ) -> None:
-        """After an auto segment: the router's shadowed modes (``shadows``: mode → chain drafter) replayed over
-        its tokens; and, after a segment another mode ran, edge's rounds replayed over the text committed since
-        the last replay, as far as the drafter's catch-up knows its choices. Greedy prose only: a segment
-        edge ran speaks for itself, and a tool call's JSON (which its grammar and copies draft too, the replay
-        being the model's chain alone) would pass for prose, as a call opens in text."""
-        config = policy.config
-        policy.observe_replays(shadow_replays({m: d for m, d in (shadows or {}).items() if m in config.shadowed},
-                                              run.tokens, len(run.prompt), len(run.tokens) - seg.tokens,
-                                              config.gamma_max), kind=seg.kind)
-        if seg.mode == "edge" or not run.sampling.greedy or seg.kind != "text" or run.calls or run.kind != "text":
-            run.shadowed_to = len(run.tokens)
-            return
-        start = max(run.shadowed_to, len(run.prompt), 1)
-        if start >= len(run.tokens):
-            return
-        replay = replay_known_next(known_next(run.drafter, run.tokens), run.tokens, start, config.gamma_max)
-        if replay.rounds:
-            run.shadowed_to = start + replay.tokens
-            policy.observe_edge_shadow(replay, kind=seg.kind)
 
     def draft_ahead(self, run: Run, seg: SegmentStats, prop: DraftProposal, arrived: Callable[[], bool]) -> float:
         """While a round is in flight: draft the round after it into ``run.ahead``, assuming the target

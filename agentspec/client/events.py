@@ -46,6 +46,9 @@ class SegmentStats:
     draft_ahead_s: float = 0.0  # local drafting overlapped with requests in flight: drafts ahead, catch-ups
     probe: bool = False  # the router ran this mode to re-measure it (a short segment: ModeConfig.probe_tokens, probe_rounds)
     catchup_s: float = 0.0  # the local model drafter's prefill of tokens it had not seen (edge; not in draft_s)
+    # edge, where its first round had no draft made ahead (entering edge, a request's start): that round's
+    # drafting on its critical path, the price of entering edge as a catch-up is (None: it had one)
+    entry_s: float | None = None
 
     def add_round(self, tokens: int, drafted: int, accepted: int, server_s: float, draft_s: float) -> None:
         """Count one round: the tokens it committed, its draft and what the target took of it, the server's

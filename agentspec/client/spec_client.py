@@ -23,6 +23,7 @@ from agentspec.client.events import FinalEvent, PreviewEvent, SegmentStats, Text
 from agentspec.client.health import VerifierHealth
 from agentspec.client.ops import Call, Pools, Steps, WhileDrafting, adrive, drive
 from agentspec.client.run import Run
+from agentspec.client.shadow import shadow_drafters, shadow_segment
 from agentspec.drafters import make_drafter
 from agentspec.drafters.base import DraftContext, Drafter, remember_output
 from agentspec.drafters.copy import SuffixIndex
@@ -88,17 +89,12 @@ class SpecClient:
         self.log_path = log_path  # opt-in: one JSON line per finished request, for `agentspec train --data`
         # tool-calling requests draft with grammar + copy + the given drafter, merged into one tree
         self.tool_drafter: Drafter | None = None
+        index = None  # past answers, as the verifier keeps them per key for its copy drafts
         if drafter is not None and tokenizer is not None and not getattr(drafter, "merges_sources", False):
-            self.tool_drafter = make_drafter("default", tokenizer=tokenizer, model=drafter,
-                                             index=SuffixIndex())
+            index = SuffixIndex()
+            self.tool_drafter = make_drafter("default", tokenizer=tokenizer, model=drafter, index=index)
             warm_grammar_tokenizer(tokenizer)  # its grammar's index takes about a second: built meanwhile
-        # the chain drafters the router judges modes by, replayed over committed text: the edge drafter's
-        # shadow (when there is no tool drafter) and what the verifier builds for server_drafter="ngram"
-        shadow = getattr(drafter, "shadow", None)
-        edge = shadow() if shadow is not None and self.tool_drafter is None else None
-        self._shadows: dict[str, Drafter] = {} if edge is None else {"edge": edge}
-        if server_drafter == "ngram":
-            self._shadows["server"] = make_drafter("ngram")
+        self._shadows, self._server_copy = shadow_drafters(drafter, server_drafter, index)
         if policy is None:  # a shared policy gets this client's settings in its config
             policy = ModePolicy(ModeConfig(has_drafter=drafter is not None, has_api=fallback_model is not None,
                                            has_verifier=bool(urls), has_deployment=deployment is not None))
@@ -167,7 +163,7 @@ class SpecClient:
         """Segments in the modes picked for them until the request is finished; then the parser's rest."""
         while run.finish is None and run.generated < run.max_tokens:
             mode = run.mode if run.mode != "auto" else self.policy.choose(
-                kind=run.kind, exclude=run.excluded, catchup_tokens=self._edge.behind(run))
+                kind=run.kind, exclude=run.excluded, catchup_tokens=self._edge.behind(run), cold=run.ahead is None)
             try:
                 if mode == "api":
                     yield from api_segment(run, self.fallback_model, self.timeout, self.api_kwargs)
@@ -285,7 +281,7 @@ class SpecClient:
         self.policy.observe_round(seg.mode, reply.drafted, reply.accepted, len(reply.tokens), wall_s=timed.wall_s,
                                   server_s=server_s, verify_s=reply.timings.verify_ms / 1e3, draft_s=draft_s,
                                   waiting=reply.load.waiting, kind=run.round_kind, fresh=fresh, taken=taken,
-                                  segment_kind=seg.kind)
+                                  segment_kind=seg.kind, entry=seg.entry_s is not None and seg.rounds == 1)
         return events
 
     def _segment_done(self, run: Run, seg: SegmentStats, t0: float) -> None:
@@ -296,9 +292,9 @@ class SpecClient:
         if seg.tokens:
             self.policy.observe_segment(seg.mode, seg.wall_s / seg.tokens, tokens=seg.tokens, rounds=seg.rounds,
                                         drafted=seg.drafted, draft_s=seg.draft_s, kind=seg.kind,
-                                        catchup_s=seg.catchup_s)
+                                        catchup_s=seg.catchup_s, entry_s=seg.entry_s or 0.0)
             if run.mode == "auto":  # judge the shadowed modes, and edge's model, on the text just committed
-                self._edge.shadow(run, seg, self.policy, self._shadows)
+                shadow_segment(run, seg, self.policy, self._shadows, self._server_copy)
 
     def _failover(self, run: Run, error: VerifierError) -> None:
         """Continue elsewhere with the committed tokens: another verifier, then the fallback API model."""

@@ -104,3 +104,21 @@ def edge_segment_s(rounds: int, draft_s: float, t_v: float, rtt: float) -> float
 def colocated_segment_s(rounds: int, drafted: int, t_ds: float, t_v: float, rtt: float) -> float:
     """A server-mode segment: one round trip, then Σ over its rounds of ``γ_r·t_ds + t_v``."""
     return rtt + rounds * t_v + drafted * t_ds
+
+
+def segment_s(mode: str, tokens: int, rounds: int, drafted: int, draft_s: float, rtt: float,
+              t_v: Callable[[float], float | None], t_ds: float | None) -> float | None:
+    """Seconds of a finished segment of ``mode`` by the closed forms, from its own counts and its measured
+    local drafting ``draft_s`` (``t_v(γ)``: a pass's seconds, None while unmeasured); None where an input is
+    missing or ``mode`` has no closed form."""
+    if mode == "server-ar":
+        t_ar = t_v(0)
+        return None if t_ar is None else plain_segment_s(tokens, t_ar, rtt)
+    t_v_mean = t_v(drafted / rounds)  # linear in γ: Σ t_v(γ_i) = rounds · t_v(γ̄)
+    if t_v_mean is None:
+        return None
+    if mode == "edge":
+        return edge_segment_s(rounds, draft_s, t_v_mean, rtt)
+    if mode == "server" and t_ds is not None:
+        return colocated_segment_s(rounds, drafted, t_ds, t_v_mean, rtt)
+    return None

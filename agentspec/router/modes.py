@@ -22,11 +22,12 @@ class ModePolicy:
 
     Inputs, all measured online: ``t_v(γ)`` (a :class:`LinearCost` over every reported pass) and ``t_ds`` from
     the server's timings, ``t_d`` per node from edge rounds' critical-path drafting (per kind: the γ̄ of the
-    closed form counts a tree's nodes), RTT from edge rounds (wall − server compute) and session opens (they
-    keep it current while no edge round runs); ``E[A]`` and ``γ̄`` per mode, and per content kind
-    (``"tool"``/``"text"``), from **shadow replays** (:meth:`observe_replays`), so every mode is judged on the
-    *same* text (segment costs are dominated by how predictable the text is), or from the mode's own rounds
-    when not in ``config.shadowed``: each round under its kind (``"tool"`` where it drafted or committed
+    closed form counts a tree's nodes; a cold first round's is the price of entering edge), RTT from edge
+    rounds (wall − server compute) and session opens (they keep it current while no edge round runs);
+    ``E[A]`` and ``γ̄`` per mode, and per content kind (``"tool"``/``"text"``), from **shadow replays**
+    (:meth:`observe_replays`), so every mode is judged on the *same* text (segment costs are dominated by how
+    predictable the text is), or from the mode's own rounds when not in ``config.shadowed`` (with its
+    chain's rounds replayed over text other modes committed, :meth:`observe_shadow`): each round under its kind (``"tool"`` where it drafted or committed
     inside JSON: a call's opening fence and brace are as copyable as its arguments, and counted as prose they
     made a mode look good for prose), as ratios of sums decayed over ``config.round_memory`` rounds, so an
     answer's prose is not judged on the call before it. A correction per mode and kind (EMA of measured /
@@ -81,6 +82,7 @@ class ModePolicy:
     t_d_shadow: float | None = None  # local draft seconds per token seen in the edge shadow (EMA)
     # kind -> decayed sums of (seconds, nodes) an edge round drafted on its critical path: t_d per node of γ̄
     edge_drafting: dict[str, tuple[float, float]] = field(default_factory=dict)
+    entry_drafting: dict[str, float] = field(default_factory=dict)  # kind -> a cold first edge round's (EMA)
     t_catchup: float | None = None  # the local model drafter's prefill seconds per token it catches up on (EMA)
     # segment start kind -> round kind -> decayed tokens its segments committed in rounds of that kind
     kind_mix: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -96,10 +98,12 @@ class ModePolicy:
         judged_unrun = mode == "server-ar" or mode in self.config.shadowed
         return not judged_unrun or self.closed_form(mode, kind=kind) is None
 
-    def choose(self, kind: str = "text", exclude: frozenset[str] = frozenset(), catchup_tokens: int = 0) -> str:
+    def choose(self, kind: str = "text", exclude: frozenset[str] = frozenset(), catchup_tokens: int = 0,
+               cold: bool = False) -> str:
         """The mode for the next segment; ``kind``: what the segment starts in (``"tool"`` or ``"text"``);
         ``exclude``: modes this request cannot run in (never all of them); ``catchup_tokens``: the tokens the
-        local model drafter would prefill before its first edge draft (committed while another mode ran)."""
+        local model drafter would prefill before its first edge draft (committed while another mode ran);
+        ``cold``: no edge draft is made ahead, so an edge segment's first round drafts on its critical path."""
         c = self.config
         self.segments += 1
         modes = [m for m in self.modes if m not in exclude]
@@ -107,8 +111,9 @@ class ModePolicy:
             raise ValueError(f"every mode of {self.modes} is excluded for this request")
         untried = [m for m in modes if m not in self.seconds_per_token]
         predicted = {m: self.predicted(m, kind) for m in modes}
-        if "edge" in predicted:  # the catch-up is paid once on entering edge: spread over one segment
-            predicted["edge"] += catchup_tokens * (self.t_catchup or 0.0) / c.segment_tokens
+        if "edge" in predicted:  # the catch-up and a cold first round are paid once on entering edge: spread
+            entry = self.entry_drafting.get(kind, self.entry_drafting.get("text", 0.0)) if cold else 0.0
+            predicted["edge"] += (catchup_tokens * (self.t_catchup or 0.0) + entry) / c.segment_tokens
         self.last_predictions = {m: s * 1e3 for m, s in predicted.items()}
         due = [m for m in modes if m != self.current and self._needs_probes(m, kind)
                and self.segments - self.last_used.get((m, kind), 0) >= self._probe_after(m, kind, catchup_tokens)]
@@ -167,12 +172,13 @@ class ModePolicy:
     def _lost_trials(self, pick: str, kind: str) -> bool:
         """Whether ``pick``'s trials in ``kind`` since its last probe there measured it no cheaper than the
         incumbent (by ``config.hysteresis``, against what the incumbent measured in the kind, as a probe's
-        verdict is): it is then not switched to on its closed form, which can still come out cheaper, until a
-        probe measures it again. The trials alone count: the probe before them often fell on a copyable stretch."""
+        verdict is, or its prediction where that is dearer: the text has moved on to what it drafts worse):
+        it is then not switched to on its closed form, which can still come out cheaper, until a probe
+        measures it again. The trials alone count: the probe before them often fell on a copyable stretch."""
         seconds, tokens = self.trial_cost.get((pick, kind), (0.0, 0))
         if self.current is None or pick == self.current or not tokens:
             return False
-        incumbent = self.measured_kind.get((self.current, kind)) or self.predicted(self.current, kind)
+        incumbent = max(self.measured_kind.get((self.current, kind)) or 0.0, self.predicted(self.current, kind))
         return seconds / tokens > (1 - self.config.hysteresis) * incumbent
 
     def _probe_after(self, mode: str, kind: str, catchup_tokens: int) -> int:
@@ -195,8 +201,7 @@ class ModePolicy:
         return sum(tokens / total * self._predicted_in(mode, k) for k, tokens in mix.items())
 
     def _predicted_in(self, mode: str, kind: str) -> float:
-        """Expected seconds per token of ``mode``'s rounds of ``kind``: the corrected closed form, else the
-        measured EMA."""
+        """Seconds per token of ``mode``'s rounds of ``kind``: the corrected closed form, else the measured EMA."""
         cost = self.closed_form(mode, kind=kind)
         if cost is None:
             cost = self.seconds_per_token.get(mode, 0.0)
@@ -216,8 +221,7 @@ class ModePolicy:
 
     def closed_form(self, mode: str, per_round: tuple[float, float] | None = None, kind: str = "text"
                     ) -> float | None:
-        """design.md's seconds per token of ``mode`` (uncorrected), or None while an input is missing.
-
+        """design.md's seconds per token of ``mode`` (uncorrected), or None while an input is missing;
         ``per_round``: (E[A], γ̄) to use instead of the mode's current estimate for ``kind``."""
         rtt, segment_tokens = self.network_s(), self.config.segment_tokens
         if rtt is None:
@@ -260,13 +264,14 @@ class ModePolicy:
     def observe_round(self, mode: str, drafted: int, accepted: int, emitted: int, *, wall_s: float,
                       server_s: float, verify_s: float, draft_s: float, waiting: int | None = None,
                       kind: str = "text", fresh: int | None = None, taken: Taken | None = None,
-                      segment_kind: str | None = None) -> None:
+                      segment_kind: str | None = None, entry: bool = False) -> None:
         """One round's reply as the client saw it; ``wall_s`` is the request's wall time (drafting excluded),
         ``waiting`` the server's queue when it reported its load, ``kind`` what the round drafted (its
         ``emitted`` tokens count toward :attr:`kind_mix` of ``segment_kind``, the kind its segment started
         in), ``fresh`` the tokens drafted on its critical path (in ``draft_s``; the rest were drafted ahead),
         ``taken`` what the target took of an edge round's draft (:meth:`~agentspec.client.run.Run.taken`;
-        default: a chain)."""
+        default: a chain), ``entry`` whether it is an edge segment's cold first round (no draft made ahead:
+        :meth:`choose` charges its drafting to entering edge, and edge's drafting per node leaves it out)."""
         if waiting is not None:
             self.server_waiting = int(waiting)
         if segment_kind is not None and emitted:
@@ -284,7 +289,10 @@ class ModePolicy:
             self.rtt = ema(self.rtt, max(wall_s - server_s, 0.0), self.config.ema)
             self._rtt_open_at_edge = self.rtt_open
             keep, (seconds, nodes) = 1.0 - 1.0 / self.config.round_memory, self.edge_drafting.get(kind, (0.0, 0.0))
-            self.edge_drafting[kind] = (keep * seconds + draft_s, keep * nodes + drafted)  # per node, as γ̄ counts
+            if entry:  # its price is entering edge, as a catch-up's: a probe's few rounds are mostly such
+                self.entry_drafting[kind] = ema(self.entry_drafting.get(kind), draft_s, self.config.ema)
+            else:  # per node, as γ̄ counts
+                self.edge_drafting[kind] = (keep * seconds + draft_s, keep * nodes + drafted)
             (gamma, reached, took), spine = taken or ((drafted, min(drafted, accepted + 1), accepted), None)
             self.edge.observe(gamma, reached, took, max(wall_s, 1e-6), draft_s, kind=kind, fresh=fresh, spine=spine)
 
@@ -309,14 +317,17 @@ class ModePolicy:
             if mode == "edge" and r.drafted:
                 self.t_d_shadow = ema(self.t_d_shadow, r.draft_s / r.drafted, self.config.ema)
 
-    def observe_edge_shadow(self, replay: ChainReplay, kind: str = "text") -> None:
-        """Edge rounds replayed over text another mode committed, from the local model drafter's greedy
-        choices its catch-up computed (:func:`~agentspec.drafters.replay.replay_known_next`). They count with
-        edge's own rounds of ``kind`` (E[A], γ̄), so edge's estimate follows the text in hand while edge
-        does not run, instead of resting on its last probe. The model's chain only: where the tree's copies
-        or grammar would add, a lower bound. Probes still measure what the closed form leaves out."""
+    def observe_shadow(self, mode: str, replay: ChainReplay, kind: str = "text") -> None:
+        """``mode``'s rounds replayed over text another mode committed: edge's from the local model drafter's
+        greedy choices its catch-up computed (:func:`~agentspec.drafters.replay.replay_known_next`), server's
+        from a chain of its copy drafts. They count with the mode's own rounds of ``kind`` (E[A], γ̄), so its
+        estimate follows the text in hand while it does not run, instead of resting on its last probe (or on
+        a warm-up's prose). A chain only: where the tree's other branches or grammar would add, a lower
+        bound. Probes still measure what the closed form leaves out."""
+        if mode not in ("edge", "server") or mode in self.config.shadowed:
+            raise ValueError(f"a shadow counts with a probed mode's own rounds (edge, server), not {mode!r}")
         for _ in range(replay.rounds):
-            self._observe_round_counts("edge", kind, replay.tokens / replay.rounds, replay.drafted / replay.rounds)
+            self._observe_round_counts(mode, kind, replay.tokens / replay.rounds, replay.drafted / replay.rounds)
 
     def _per_round(self, mode: str, mean_accepted: float, gamma: float, kind: str | None = None) -> None:
         keys = [(self.per_round, mode)] + ([(self.per_round_kind, (mode, kind))] if kind is not None else [])
@@ -326,17 +337,26 @@ class ModePolicy:
 
     def observe_segment(self, mode: str, seconds_per_token: float, *, tokens: int = 0, rounds: int = 0,
                         drafted: int = 0, draft_s: float = 0.0, kind: str | None = None,
-                        catchup_s: float = 0.0) -> None:
+                        catchup_s: float = 0.0, entry_s: float = 0.0) -> None:
         """A finished segment's wall seconds per committed token in ``mode`` (and, when known, its token,
         round and draft counts, the local drafter's seconds in it and the content kind it started in).
 
         ``catchup_s``: the local model drafter's catch-up prefill in the segment (in its wall time, not in
         ``draft_s``). It is the price of entering the mode, which :meth:`choose` charges from the tokens to
-        catch up on; the mode's own estimates and a probe's verdict leave it out."""
+        catch up on; the mode's own estimates and a probe's verdict leave it out. ``entry_s``: the drafting of
+        an edge segment's cold first round, charged to entering edge too (:meth:`choose`), so left out of the
+        same (not of the correction: the closed form of the segment counts it in ``draft_s``). A server-side
+        mode's segment shorter than ``segment_tokens`` is judged with a whole segment's share of its RTT."""
         c = self.config
         if tokens and catchup_s > 0:
             seconds_per_token = max(seconds_per_token * tokens - catchup_s, 0.0) / tokens
-        k = kind or "text"
+        wall_s, k, rtt = seconds_per_token * tokens, kind or "text", self.network_s()
+        if tokens and entry_s > 0:
+            seconds_per_token = max(wall_s - entry_s, 0.0) / tokens
+        if mode != "edge" and 0 < tokens < c.segment_tokens and rtt:
+            # a streamed segment pays one round trip however few tokens it commits: a probe's, a trial's or
+            # an answer's last few are judged as a whole segment pays it, or a short probe loses on the RTT
+            seconds_per_token = max(seconds_per_token - rtt * (1 / tokens - 1 / c.segment_tokens), 0.0)
         if mode == self.probing and self.current is not None and self.current != mode:
             # against what the incumbent measured here: its prediction may rest on another kind's text
             incumbent = self.measured_kind.get((self.current, k)) or self.predicted(self.current, k)
@@ -355,32 +375,13 @@ class ModePolicy:
         self.probing = None
         self.seconds_per_token[mode] = ema(self.seconds_per_token.get(mode), seconds_per_token, c.ema)
         self.measured_kind[(mode, k)] = ema(self.measured_kind.get((mode, k)), seconds_per_token, c.ema)
-        if not (tokens and rounds) or self.network_s() is None or mode not in self.modes:
+        if not (tokens and rounds) or rtt is None or mode not in self.modes:
             return
         if mode not in c.shadowed and mode != "server-ar" and (mode, None) not in self.round_sums:
             self._per_round(mode, tokens / rounds, drafted / rounds, kind)  # no round of it was reported
-        predicted = self._segment_closed_form(mode, tokens, rounds, drafted, draft_s)
+        # the closed form on the segment's own counts: the correction absorbs nothing of the text's predictability
+        predicted = costs.segment_s(mode, tokens, rounds, drafted, draft_s, rtt, self.server_costs.seconds, self.t_ds)
         if predicted is not None and predicted > 0:
-            ratio = min(max(seconds_per_token * tokens / predicted, 0.5), 3.0)
+            ratio = min(max(wall_s / predicted, 0.5), 3.0)
             self.correction[mode] = ema(self.correction.get(mode), ratio, c.correction_ema)
             self.correction_kind[(mode, k)] = ema(self.correction_kind.get((mode, k)), ratio, c.correction_ema)
-
-    def _segment_closed_form(self, mode: str, tokens: int, rounds: int, drafted: int, draft_s: float
-                             ) -> float | None:
-        """The closed form's seconds for a finished segment from its own counts (and measured local drafting),
-        so the correction absorbs what the closed form leaves out and nothing of the text's predictability."""
-        rtt = self.network_s()
-        if rtt is None:
-            return None
-        if mode == "server-ar":
-            t_ar = self.server_costs.seconds(0)
-            return None if t_ar is None else costs.plain_segment_s(tokens, t_ar, rtt)
-        t_v = self.server_costs.seconds(drafted / rounds)  # linear in γ: Σ t_v(γ_i) = rounds · t_v(γ̄)
-        if t_v is None:
-            return None
-        if mode == "edge":
-            return costs.edge_segment_s(rounds, draft_s, t_v, rtt)
-        if mode == "server" and self.t_ds is not None:
-            return costs.colocated_segment_s(rounds, drafted, self.t_ds, t_v, rtt)
-        return None
-

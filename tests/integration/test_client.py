@@ -90,6 +90,9 @@ def test_sibling_leaves_at_the_edge_are_lossless(target, reference, pipeline):
     assert final.tokens == reference
     assert sum(s.rounds for s in final.stats.segments) < len(reference)
     assert (sum(s.pipelined for s in final.stats.segments) > 0) is pipeline
+    # a request starts cold; pipelined, a later segment finds the draft its last round made ahead
+    cold = [s.entry_s is not None for s in final.stats.segments]
+    assert cold[0] and all(cold) is not pipeline
 
 
 def test_edge_trees_teach_the_router_acceptance_only_where_they_drafted(server, target, reference):
@@ -140,7 +143,7 @@ class ScriptedProbes(ModePolicy):
         super().__init__(config)
         self.script, self.caps = list(script), []
 
-    def choose(self, kind="text", exclude=frozenset(), catchup_tokens=0):
+    def choose(self, kind="text", exclude=frozenset(), catchup_tokens=0, cold=False):
         mode, due = self.script.pop(0) if self.script else ("edge", False)
         self.probing, self.scheduled = (mode, True) if due else (None, False)
         return mode
@@ -176,7 +179,7 @@ class ScriptedModes(ModePolicy):
         super().__init__(ModeConfig())
         self.script, self.told = list(script), []
 
-    def choose(self, kind="text", exclude=frozenset(), catchup_tokens=0):
+    def choose(self, kind="text", exclude=frozenset(), catchup_tokens=0, cold=False):
         self.told.append(catchup_tokens)
         return self.script.pop(0) if self.script else "edge"
 

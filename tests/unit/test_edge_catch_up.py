@@ -209,6 +209,7 @@ def test_a_draft_ahead_cut_short_is_drafted_on_to_the_rounds_length(target):
     sent = edge.round(run, seg, ModePolicy()).prop  # nothing measured: γ = 6
     fresh = ModelDrafter(target).propose(DraftContext(run.tokens, len(tokens)), 6)
     assert seg.pipelined == 1 and sent.tokens == fresh.tokens and len(sent) == 6
+    assert seg.entry_s is None  # its first round had a draft made ahead
 
 
 class _SlowSetUp(ModelDrafter):

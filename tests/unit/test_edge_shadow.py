@@ -1,18 +1,20 @@
-"""The router's edge shadow: while auto runs another mode, the local model drafter's catch-up also notes its
-greedy choice after each token of the answer, and edge's rounds over that text are replayed from those
-choices (exactly what its chain would have drafted, under greedy decoding), so edge's estimate follows the
-text in hand instead of resting on its last probe."""
+"""The router's shadows of probed modes: while auto runs another mode, the local model drafter's catch-up also
+notes its greedy choice after each token of the answer, and edge's rounds over that text are replayed from
+those choices (exactly what its chain would have drafted, under greedy decoding); server's rounds are
+replayed from a chain of the copy drafts it makes in prose. Each estimate follows the text in hand instead
+of resting on its last probe, or on a warm-up's prose."""
 
 from __future__ import annotations
 
 import pytest
 
 from agentspec import models, router
-from agentspec.client.edge import EdgeDrafting
 from agentspec.client.events import SegmentStats
 from agentspec.client.run import Run
+from agentspec.client.shadow import shadow_segment
 from agentspec.drafters import ModelDrafter
 from agentspec.drafters.base import DraftContext, catch_up, known_next
+from agentspec.drafters.copy import CopyDrafter
 from agentspec.drafters.replay import replay_chain, replay_known_next
 from agentspec.drafters.tree import default_drafter
 from agentspec.types import SamplingParams
@@ -68,20 +70,94 @@ def test_an_auto_segment_in_server_mode_moves_edges_estimate(target):
     policy = router.ModePolicy(router.ModeConfig(segment_tokens=16, gamma_max=4))
     policy.per_round_kind[("edge", "text")] = (1.2, 4.0)  # what a bad probe left
     seg = SegmentStats("server", len(answer), 6, 0, 0, 1.0, 0.9, 0.0, {}, "text")
-    edge = EdgeDrafting(4, None, None, preview=False)
-    edge.shadow(run, seg, policy)
+    shadow_segment(run, seg, policy)
     tokens_per_round, gamma = policy.per_round_kind[("edge", "text")]
     assert tokens_per_round == pytest.approx(5.0) and gamma == pytest.approx(policy.config.gamma_max)
     assert run.shadowed_to > len(prompt)
     sums = policy.round_sums[("edge", "text")]
-    edge.shadow(run, seg, policy)  # nothing new committed: nothing counted twice
+    shadow_segment(run, seg, policy)  # nothing new committed: nothing counted twice
     assert policy.round_sums[("edge", "text")] == sums
     seg_edge = SegmentStats("edge", 1, 1, 0, 0, 1.0, 0.9, 0.0, {}, "text")
     run.tokens = run.tokens + [1]
-    edge.shadow(run, seg_edge, policy)  # edge's own rounds speak for its text
+    shadow_segment(run, seg_edge, policy)  # edge's own rounds speak for its text
     assert run.shadowed_to == len(run.tokens) and policy.round_sums[("edge", "text")] == sums
     sampled = Run([{"role": "user", "content": "hi"}], None, 64, SamplingParams(temperature=1.0), [], "auto",
                   drafter)
     sampled.prompt, sampled.tokens = prompt, prompt + answer
-    edge.shadow(sampled, seg, policy)  # a sampled answer: a greedy replay says nothing about it
+    shadow_segment(sampled, seg, policy)  # a sampled answer: a greedy replay says nothing about it
     assert policy.round_sums[("edge", "text")] == sums
+
+
+def _prose_run(prompt: list[int], answer: list[int], sampling: SamplingParams | None = None) -> Run:
+    run = Run([{"role": "user", "content": "hi"}], None, 64, sampling or SamplingParams(), [], "auto", None)
+    run.prompt, run.tokens = prompt, prompt + answer
+    return run
+
+
+def test_an_auto_segment_in_edge_mode_moves_servers_prose_estimate_off_a_warm_up():
+    """A warm-up's novel prose left server's prose estimate at a token a round; the answer edge then wrote
+    copies the prompt (an agent citing a tool's result). The server's copy chain replayed over it counts
+    with server's rounds, so server's prose estimate follows that text: the same rounds replay_chain counts,
+    in segments of the client's length. Server's own segments, sampled answers, a call's JSON and a client
+    whose verifier drafts otherwise (no copy chain) move nothing."""
+    prompt = make_prompt(7)
+    answer = prompt[3:27]  # a copy of the prompt
+    policy = router.ModePolicy(router.ModeConfig(segment_tokens=16, gamma_max=4))
+    for _ in range(20):  # the warm-up: one token a round
+        policy.observe_round("server", 1, 0, 1, wall_s=0.1, server_s=0.1, verify_s=0.1, draft_s=0.0)
+    assert policy.per_round_kind[("server", "text")] == pytest.approx((1.0, 1.0))
+    run = _prose_run(prompt, answer)
+    seg = SegmentStats("edge", len(answer), 6, 24, 18, 1.0, 0.9, 0.1, {}, "text")
+    before = policy.round_sums[("server", "text")]
+    shadow_segment(run, seg, policy, server_copy=CopyDrafter())
+    expected = replay_chain(CopyDrafter(), run.tokens, len(prompt), len(prompt), 4, segment=16)
+    after = policy.round_sums[("server", "text")]
+    keep = 1 - 1 / policy.config.round_memory
+    assert after[2] == pytest.approx(before[2] * keep**expected.rounds + sum(keep**i for i in range(expected.rounds)))
+    assert expected.tokens / expected.rounds > 2.5
+    assert policy.per_round_kind[("server", "text")][0] > 2.0
+    for other in (SegmentStats("server", len(answer), 6, 24, 18, 1.0, 0.9, 0.0, {}, "text"),  # its own rounds
+                  SegmentStats("edge", len(answer), 6, 24, 18, 1.0, 0.9, 0.1, {}, "tool"),  # a call's JSON
+                  SegmentStats("edge", 1, 1, 4, 0, 1.0, 0.9, 0.1, {}, "text")):  # too short to judge
+        shadow_segment(run, other, policy, server_copy=CopyDrafter())
+        assert policy.round_sums[("server", "text")] == after
+    shadow_segment(_prose_run(prompt, answer, SamplingParams(temperature=1.0)), seg, policy,
+                   server_copy=CopyDrafter())
+    shadow_segment(run, seg, policy, server_copy=None)
+    assert policy.round_sums[("server", "text")] == after
+
+
+def test_a_shadow_counts_only_for_a_probed_mode_the_client_drafts_like():
+    policy = router.ModePolicy(router.ModeConfig(segment_tokens=16, gamma_max=4, shadowed={"server"}))
+    replay = replay_chain(None, [1, 2, 3, 4], 1, 1, 4)
+    for mode in ("server", "server-ar", "vllm"):  # server is judged by its replays alone here
+        with pytest.raises(ValueError, match="probed mode"):
+            policy.observe_shadow(mode, replay)
+    policy.observe_shadow("edge", replay)
+    assert policy.per_round_kind[("edge", "text")] == pytest.approx((1.0, 0.0))
+
+
+def test_a_segment_inside_a_calls_json_moves_edges_tool_estimate_and_one_that_opens_a_call_does_not(target):
+    """Inside JSON (a JSON answer here) a server segment's tokens are replayed for edge as tool rounds, its own
+    tokens only, from the drafter's noted choices; a segment that started in prose and ended inside JSON
+    is counted for neither kind."""
+    prompt = make_prompt(5)
+    answer = plain_greedy(target, prompt, 24, eos=None)
+    drafter = ModelDrafter(target)  # the target's own copy: every choice right
+    run = Run([{"role": "user", "content": "hi"}], None, 64, SamplingParams(), [], "auto", drafter,
+              response_format={"type": "json_object"})
+    run.prompt, run.tokens = prompt, prompt + answer
+    assert run.kind == "tool"
+    catch_up(drafter, run.tokens, next_from=len(prompt) - 1)
+    policy = router.ModePolicy(router.ModeConfig(segment_tokens=16, gamma_max=4))
+    opening = SegmentStats("server", len(answer), 6, 0, 0, 1.0, 0.9, 0.0, {}, "text")
+    shadow_segment(run, opening, policy)
+    assert ("edge", "tool") not in policy.round_sums and ("edge", "text") not in policy.round_sums
+    assert run.shadowed_to == len(run.tokens)
+    run.shadowed_to = 0
+    inside = SegmentStats("server", 12, 3, 0, 0, 1.0, 0.9, 0.0, {}, "tool")
+    shadow_segment(run, inside, policy)
+    tokens_per_round, gamma = policy.per_round_kind[("edge", "tool")]
+    assert tokens_per_round == pytest.approx(5.0) and gamma == pytest.approx(4.0)
+    assert policy.round_sums[("edge", "tool")][2] == pytest.approx(1 + (1 - 1 / 12))  # two rounds of its 12
+    assert ("edge", "text") not in policy.round_sums

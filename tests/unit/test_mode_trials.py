@@ -149,6 +149,25 @@ def test_trials_that_measured_the_challenger_dearer_keep_the_incumbent_until_it_
     assert policy.choose(kind="tool") == "server" and policy.current == "server"
 
 
+def test_lost_trials_give_way_once_the_incumbent_is_predicted_dearer_than_they_measured():
+    """The agent benchmark's fix_mean at RTT 0: an edge trial in prose measured dearer than server had
+    there, then the answer went on to write code, which server drafts nothing of (a token a round):
+    its prediction, from those rounds, rose past what the trial measured while the EMA of what it measured
+    lagged. Against the dearer of the two the trial no longer lost, so edge runs again (as a trial)."""
+    policy = _edge_after_server_in_tool_calls()
+    policy.current = "server"
+    _rounds(policy, "server", [("text", 3, 4, 0.0)] * 12, seg_kind="text")
+    policy.trial_cost[("edge", "text")] = (16 * 2.2 * policy.measured_kind[("server", "text")], 16)
+    policy.trial_streak[("edge", "text")] = 4
+    assert policy._lost_trials("edge", "text")
+    for _ in range(2):  # two segments of code
+        _rounds(policy, "server", [("text", 1, 4, 0.0)] * 16, seg_kind="text")
+    seconds, tokens = policy.trial_cost[("edge", "text")]
+    assert seconds / tokens < (1 - policy.config.hysteresis) * policy.predicted("server", "text")
+    assert not policy._lost_trials("edge", "text")
+    assert policy.choose(kind="text") == "edge" and policy.probing == "edge"
+
+
 def test_a_switch_starts_with_probe_length_segments_that_double_while_it_holds_up():
     """The agent benchmark's fix_mean at RTT 20: a server probe and trial both won over a call's copyable
     opening; the switch's segment then ran the call's code at a token a round, 32 tokens in 30 rounds. A

@@ -10,6 +10,7 @@ from agentspec import router
 from agentspec.drafters import ModelDrafter, NgramDrafter
 from agentspec.drafters.replay import replay_chain, shadow_replays
 from agentspec.local import SpecEngine
+from agentspec.router import costs
 from agentspec.types import SamplingParams
 from tests.helpers import make_prompt, plain_greedy
 from tests.unit.test_equivalence import ScriptedDrafter
@@ -257,7 +258,52 @@ def test_a_probe_is_judged_without_the_catch_up_it_paid():
     assert policy.probe_interval[("edge", "text")] > policy.config.probe_every  # the same time, uncounted: lost
 
 
-def test_an_edge_probe_waits_for_its_drafter_to_catch_up_but_not_forever():
+def test_a_short_server_probe_pays_a_whole_segments_share_of_the_round_trip():
+    """At RTT 100 ms a server probe of 6 tokens whose rounds cost 5 % less a token than edge's measured 50 ms
+    spent 100 ms on the link, 17 ms a token: as a whole 16-token segment pays 6 ms, it is not a lost probe,
+    and its measured rate is what a whole segment would cost. Its correction still sees the wall time it
+    took (the closed form charged it the whole RTT). Edge pays the RTT per round: nothing is taken off."""
+    policy = _edge_and_server(t_catchup=0.004)
+    policy.rtt_open = 0.1  # session opens measured the link
+    policy.current, policy.probing, policy.measured_kind[("edge", "text")] = "edge", "server", 0.050
+    wall = 0.1 + 6 * 0.95 * 0.050
+    policy.observe_segment("server", wall / 6, tokens=6, rounds=3, drafted=12)
+    assert policy.probe_interval[("server", "text")] == policy.config.probe_every
+    assert policy.measured_kind[("server", "text")] == pytest.approx(0.95 * 0.050 + 0.1 / 16)
+    closed = costs.segment_s("server", 6, 3, 12, 0.0, policy.network_s(), policy.server_costs.seconds, policy.t_ds)
+    assert policy.correction["server"] == pytest.approx(wall / closed)
+    policy.current, policy.probing = "server", "edge"
+    policy.observe_segment("edge", wall / 6, tokens=6, rounds=3, drafted=12, draft_s=0.006)
+    assert policy.measured_kind[("edge", "text")] == pytest.approx(0.7 * 0.050 + 0.3 * wall / 6)
+
+
+def test_a_cold_first_edge_round_is_charged_to_entering_edge():
+    """An edge probe's first round drafts all its nodes on its critical path (nothing was drafted ahead):
+    counted per node, two such rounds in a three-round probe made edge look five times dearer to draft than
+    it runs. Its drafting is the price of entering edge, charged once per cold segment as a catch-up is;
+    the per-node estimate keeps the rounds that follow."""
+    policy = _edge_and_server(t_catchup=0.004)
+    for entry, draft_s in ((True, 0.24), (False, 0.012), (False, 0.0)):
+        policy.observe_round("edge", 6, 3, 4, wall_s=0.1, server_s=0.1, verify_s=0.1, draft_s=draft_s,
+                             entry=entry)
+    assert policy.entry_drafting["text"] == pytest.approx(0.24)
+    seconds, nodes = policy.edge_drafting["text"]
+    assert seconds / nodes == pytest.approx(0.012 * 11 / 12 / (6 * 11 / 12 + 6))
+    policy.choose(kind="text", cold=False)
+    warm = policy.last_predictions["edge"]
+    policy.choose(kind="text", cold=True)
+    assert policy.last_predictions["edge"] == pytest.approx(warm + 1e3 * 0.24 / policy.config.segment_tokens)
+    # a probe that paid it is judged without it, as a catch-up is; its correction sees its whole wall time
+    policy.current, policy.probing, policy.measured_kind[("server", "text")] = "server", "edge", 0.05
+    policy.observe_segment("edge", (8 * 0.05 + 0.24) / 8, tokens=8, rounds=3, drafted=18, draft_s=0.252,
+                           entry_s=0.24)
+    assert policy.probe_interval[("edge", "text")] == policy.config.probe_every
+    assert policy.measured_kind[("edge", "text")] == pytest.approx(0.05)
+    closed = costs.segment_s("edge", 8, 3, 18, 0.252, policy.network_s(), policy.server_costs.seconds, policy.t_ds)
+    assert policy.correction_kind[("edge", "text")] == pytest.approx(min(max((8 * 0.05 + 0.24) / closed, 0.5), 3))
+
+
+
     """Server is the better mode (edge's drafting made dear). Edge's probe falls due every ``probe_every``
     segments; while the local drafter has tokens to catch up on it waits, up to one more interval, then
     runs all the same (a drafter that never catches up between segments must not shut edge out)."""
