@@ -50,7 +50,8 @@ def shadow_segment(run: Run, seg: SegmentStats, policy: ModePolicy, shadows: Map
     start = len(run.tokens) - seg.tokens
     policy.observe_replays(shadow_replays({m: d for m, d in (shadows or {}).items() if m in config.shadowed},
                                           run.tokens, len(run.prompt), start, config.gamma_max), kind=seg.kind)
-    prose = run.sampling.greedy and seg.kind == "text" and not run.calls and run.kind == "text"
+    greedy = run.sampling.greedy
+    prose = greedy and seg.kind == "text" and not run.calls and run.kind == "text"
     if (prose and seg.mode != "server" and server_copy is not None and "server" not in config.shadowed
             and seg.tokens >= 2):
         # server segments are capped as whole segments are: at the end of a segment's tokens
@@ -58,7 +59,7 @@ def shadow_segment(run: Run, seg: SegmentStats, policy: ModePolicy, shadows: Map
                               segment=config.segment_tokens)
         if replay.rounds:
             policy.observe_shadow("server", replay, kind=seg.kind)
-    inside_json = run.sampling.greedy and seg.kind == "tool" and run.kind == "tool"
+    inside_json = greedy and seg.kind == "tool" and run.kind == "tool"
     if seg.mode == "edge" or not (prose or inside_json) or "edge" in config.shadowed:
         run.shadowed_to = len(run.tokens)
         return

@@ -27,12 +27,13 @@ class ModePolicy:
     ``E[A]`` and ``γ̄`` per mode, and per content kind (``"tool"``/``"text"``), from **shadow replays**
     (:meth:`observe_replays`), so every mode is judged on the *same* text (segment costs are dominated by how
     predictable the text is), or from the mode's own rounds when not in ``config.shadowed`` (with its
-    chain's rounds replayed over text other modes committed, :meth:`observe_shadow`): each round under its kind (``"tool"`` where it drafted or committed
-    inside JSON: a call's opening fence and brace are as copyable as its arguments, and counted as prose they
-    made a mode look good for prose), as ratios of sums decayed over ``config.round_memory`` rounds, so an
-    answer's prose is not judged on the call before it. A correction per mode and kind (EMA of measured /
-    closed-form seconds per segment it ran) absorbs what the closed forms leave out (edge rounds inside a tool
-    call carry a grammar-cut tree; in prose a chain).
+    chain's rounds replayed over text other modes committed, :meth:`observe_shadow`): each round under its
+    kind (``"tool"`` where it drafted or committed inside JSON: a call's opening fence and brace are as
+    copyable as its arguments, and counted as prose they made a mode look good for prose), as ratios of
+    sums decayed over ``config.round_memory`` rounds, so an answer's prose is not judged on the call before
+    it. A correction per mode and kind (EMA of measured / closed-form seconds per segment it ran) absorbs
+    what the closed forms leave out (edge rounds inside a tool call carry a grammar-cut tree; in prose a
+    chain).
 
     Until a mode's inputs exist its measured seconds per token stands in; a mode never run is tried first.
     Modes judged without running them (shadowed, or server-ar) are never probed; the others every
@@ -348,10 +349,9 @@ class ModePolicy:
         same (not of the correction: the closed form of the segment counts it in ``draft_s``). A server-side
         mode's segment shorter than ``segment_tokens`` is judged with a whole segment's share of its RTT."""
         c = self.config
-        if tokens and catchup_s > 0:
-            seconds_per_token = max(seconds_per_token * tokens - catchup_s, 0.0) / tokens
-        wall_s, k, rtt = seconds_per_token * tokens, kind or "text", self.network_s()
-        if tokens and entry_s > 0:
+        k, rtt = kind or "text", self.network_s()
+        wall_s = max(seconds_per_token * tokens - catchup_s, 0.0)  # the correction's: draft_s has the entry
+        if tokens:
             seconds_per_token = max(wall_s - entry_s, 0.0) / tokens
         if mode != "edge" and 0 < tokens < c.segment_tokens and rtt:
             # a streamed segment pays one round trip however few tokens it commits: a probe's, a trial's or
