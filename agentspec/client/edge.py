@@ -249,22 +249,26 @@ class EdgeDrafting:
                 return n  # try it: its time is measured from now on
         return n
 
-    def draft_ahead(self, run: Run, seg: SegmentStats, prop: DraftProposal, arrived: Callable[[], bool]) -> float:
+    def draft_ahead(self, run: Run, seg: SegmentStats, prop: DraftProposal, flight_s: float | None,
+                    arrived: Callable[[], bool]) -> float:
         """While a round is in flight: draft the round after it into ``run.ahead``, assuming the target
         accepts all of ``prop`` and then emits the drafter's guess; any other outcome discards it, so only
         drafts of the committed tokens are verified. A model drafter stops once ``arrived()`` (the reply is
-        in): drafting on past it would delay the next round for tokens it may not even keep, and charge
-        that delay to the drafter's cost per token. Returns the drafting seconds."""
+        in), or before a step that would end after the reply is expected: ``flight_s``, this round's expected
+        wall time (default: the mean of the rounds drafted ahead of, :meth:`landed`). Drafting on past it
+        would delay the next round for tokens it may not even keep, and charge that delay to the drafter's
+        cost per token. Returns the drafting seconds."""
+        flight_s = self.flight_s if flight_s is None else flight_s
         left = run.max_tokens - run.generated - len(prop.spine()) - 2  # what the next round may draft
         hypothesis = run.tokens + prop.spine_tokens()
         caught_up = 0.0
         if catchup_tokens(run.drafter, hypothesis):  # a first pass would be a prefill that cannot stop
-            caught_up = self.catch_up(run.drafter, hypothesis, self.flight_s, arrived)
+            caught_up = self.catch_up(run.drafter, hypothesis, flight_s, arrived)
             seg.draft_ahead_s += caught_up
             if catchup_tokens(run.drafter, hypothesis) or arrived():
                 return caught_up  # the next round drafts afresh, from where the catch-up got to
         nxt, seconds, (_, caught_s) = self._propose(run, 1 + min(self.gamma_max(run), left), hypothesis,
-                                                    self._before_reply(arrived))
+                                                    self._before_reply(arrived, flight_s))
         if len(nxt.spine()) > 1 and (run.sampling.greedy or not nxt.is_tree):  # the guess, a draft after it
             run.ahead = ((*hypothesis, nxt.tokens[0]), nxt.cut(1, len(nxt)))
         seg.draft_ahead_s += seconds + caught_s  # a catch-up here overlapped the round trip too
@@ -274,13 +278,13 @@ class EdgeDrafting:
         """A round drafted ahead of came back after ``wall_s``: how long the next one is likely in flight."""
         self.flight_s = ema(self.flight_s, wall_s, 0.3)
 
-    def _before_reply(self, arrived: Callable[[], bool]) -> Callable[[], bool]:
+    def _before_reply(self, arrived: Callable[[], bool], flight_s: float | None) -> Callable[[], bool]:
         """A draft ahead's stop: the reply is in, or the next drafting step would end after the reply is
-        expected (:meth:`landed`). A step under way when the reply comes delays the next round by what is left
-        of it, half a step on average, for one more token that is drafted last, so kept least often."""
-        if self.flight_s is None:
+        expected (``flight_s`` from now). A step under way when the reply comes delays the next round by what
+        is left of it, half a step on average, for one more token that is drafted last, so kept least often."""
+        if flight_s is None:
             return arrived
-        deadline = time.perf_counter() + self.flight_s
+        deadline = time.perf_counter() + flight_s
         last = [time.perf_counter()]
 
         def stop() -> bool:  # asked between steps: the time since it was last asked is a step's

@@ -231,7 +231,10 @@ class SpecClient:
                     yield PreviewEvent(preview)
                 post = Call(t.post, t.apost, (f"/v1/spec/sessions/{run.sid}/rounds", body))
                 if edge.pipelines(run, prop):
-                    r, ahead_s = yield WhileDrafting(post, Call(edge.draft_ahead, None, (run, seg, prop)),
+                    # this round's flight from the edge cost line over pass sizes: a plain step's is shorter
+                    # than the mean round's, and a deadline past it had the draft ahead overrun the reply
+                    flight = self.policy.edge.costs.seconds(len(prop))
+                    r, ahead_s = yield WhileDrafting(post, Call(edge.draft_ahead, None, (run, seg, prop, flight)),
                                                       until_reply=True)
                     draft_s += max(ahead_s - r.wall_s, 0.0)  # the reply waited for the draft ahead
                     edge.landed(r.wall_s)

@@ -42,8 +42,17 @@ class DraftLengthPolicy:
     by_kind: dict[str, AcceptanceEstimator] = field(default_factory=dict)
     # per kind, the main path's own survival (a tree's sibling leaf taken ends it): the draft ahead's odds
     spine_by_kind: dict[str, AcceptanceEstimator] = field(default_factory=dict)
+    # ``costs`` keyed by a pass's nodes (sibling leaves and forced tokens too), γ mapped to nodes by the
+    # rounds' mean nodes per draft token: a tree's pass cost follows its nodes, and its nodes spread wider
+    # than γ does, which keeps the fitted slope off the few γs the last rounds used (a LinearCost only)
+    costs_by_nodes: bool = False
+    nodes_per_draft: float | None = None
     _zero_streak: int = 0
     last_rates: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.costs_by_nodes and not isinstance(self.costs, LinearCost):
+            raise ValueError("costs_by_nodes needs a LinearCost (a fitted line takes fractional node counts)")
 
     def current_acceptance(self, kind: str = "text") -> AcceptanceEstimator:
         """The estimator for ``kind`` when it has enough rounds, else the pooled one."""
@@ -75,7 +84,7 @@ class DraftLengthPolicy:
         ``pipelined``: the round after this one will be drafted while this one is in flight."""
         if gamma_max <= 0:
             return 0
-        if self.costs.seconds(0) is None:
+        if self._t_v(0) is None:
             return gamma_max  # nothing measured yet: draft fully, observe, then adapt
         self.last_rates = {}
         acceptance, survival = self.current_acceptance(kind), self.spine_survival(kind)
@@ -85,7 +94,7 @@ class DraftLengthPolicy:
             if ahead is not None:
                 self.last_rates[gamma] = self._pipelined_rate(acceptance, gamma, ahead, t_d, survival)
                 continue
-            t = max(gamma - drafted, 0) * t_d + (self.costs.seconds(gamma) or 0.0)
+            t = max(gamma - drafted, 0) * t_d + (self._t_v(gamma) or 0.0)
             self.last_rates[gamma] = acceptance.expected_tokens(gamma) / t if t > 0 else 0.0
         best = max(self.last_rates, key=lambda g: (self.last_rates[g], -g))
         self._zero_streak = self._zero_streak + 1 if best == 0 else 0
@@ -97,10 +106,16 @@ class DraftLengthPolicy:
     def _ahead(self, gamma_max: int, t_d: float) -> int | None:
         """Draft tokens a round's flight leaves ready for the next one: drafting ahead makes the guess of the
         target's next token first, then the draft after it, until the reply is in (None: not measured)."""
-        wall = self.costs.seconds(gamma_max)
+        wall = self._t_v(gamma_max)
         if wall is None or t_d <= 0:
             return None
         return min(gamma_max, max(int(wall / t_d) - 1, 0))
+
+    def _t_v(self, gamma: int) -> float | None:
+        """Seconds of a pass whose draft has ``gamma`` free tokens (None before any pass)."""
+        if self.costs_by_nodes and self.nodes_per_draft is not None:
+            return self.costs.seconds(gamma * self.nodes_per_draft)  # type: ignore[arg-type]
+        return self.costs.seconds(gamma)
 
     def _pipelined_rate(self, acceptance: AcceptanceEstimator, gamma: int, ahead: int, t_d: float,
                         survival: AcceptanceEstimator | None = None) -> float:
@@ -116,8 +131,8 @@ class DraftLengthPolicy:
                 p *= c
             return p
 
-        fresh_s = gamma * t_d + (self.costs.seconds(gamma) or 0.0)
-        ready_s = self.costs.seconds(ahead) or 0.0
+        fresh_s = gamma * t_d + (self._t_v(gamma) or 0.0)
+        ready_s = self._t_v(ahead) or 0.0
         to_ready, stay_ready = carried(gamma), carried(ahead)
         share = 1.0 if to_ready + (1 - stay_ready) <= 0 else (1 - stay_ready) / (1 - stay_ready + to_ready)
         tokens = share * acceptance.expected_tokens(gamma) + (1 - share) * acceptance.expected_tokens(ahead)
@@ -135,8 +150,11 @@ class DraftLengthPolicy:
 
         Counts are of the tokens the policy chose (not grammar-forced ones); ``pass_tokens`` is the draft's
         full size when forced tokens rode along (default ``drafted``)."""
+        nodes = drafted if pass_tokens is None else pass_tokens
         if verify_s is not None:
-            self.costs.observe(drafted if pass_tokens is None else pass_tokens, verify_s)
+            self.costs.observe(nodes, verify_s)
+        if self.costs_by_nodes and drafted:
+            self.nodes_per_draft = ema(self.nodes_per_draft, nodes / drafted, 0.2)
         if reached:
             self.acceptance.observe(reached, accepted)
             self._kind_estimator(self.by_kind, kind).observe(reached, accepted)

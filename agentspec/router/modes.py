@@ -54,7 +54,8 @@ class ModePolicy:
     seconds_per_token: dict[str, float] = field(default_factory=dict)
     last_used: dict[tuple[str, str], int] = field(default_factory=dict)  # (mode, kind) -> the segment it last ran
     last_predictions: dict[str, float] = field(default_factory=dict)
-    edge: DraftLengthPolicy = field(default_factory=lambda: DraftLengthPolicy(costs=LinearCost(), probe_every=8))
+    edge: DraftLengthPolicy = field(
+        default_factory=lambda: DraftLengthPolicy(costs=LinearCost(), probe_every=8, costs_by_nodes=True))
     current: str | None = None
     segments: int = 0
     server_waiting: int = 0
@@ -295,7 +296,8 @@ class ModePolicy:
             else:  # per node, as γ̄ counts
                 self.edge_drafting[kind] = (keep * seconds + draft_s, keep * nodes + drafted)
             (gamma, reached, took), spine = taken or ((drafted, min(drafted, accepted + 1), accepted), None)
-            self.edge.observe(gamma, reached, took, max(wall_s, 1e-6), draft_s, kind=kind, fresh=fresh, spine=spine)
+            self.edge.observe(gamma, reached, took, max(wall_s, 1e-6), draft_s, pass_tokens=drafted, kind=kind,
+                             fresh=fresh, spine=spine)
 
     def _observe_round_counts(self, mode: str, kind: str, tokens: int, drafted: int) -> None:
         """(E[A], γ̄) of ``mode``, in all and in ``kind``: decayed sums of tokens, drafts and rounds (a ratio

@@ -30,10 +30,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
 def test_the_reply_stops_it_and_nothing_else_before_the_deadline(clock: _Clock, flight_s: float | None) -> None:
     """Without a measured flight only the reply stops it; with one far off, the reply still does."""
     edge = EdgeDrafting(6, True, None, False)
-    if flight_s is not None:
-        edge.landed(flight_s)
     arrived = [False]
-    stop = edge._before_reply(lambda: arrived[0])
+    stop = edge._before_reply(lambda: arrived[0], flight_s)
     clock.now += 0.05
     assert not stop()
     arrived[0] = True
@@ -42,8 +40,7 @@ def test_the_reply_stops_it_and_nothing_else_before_the_deadline(clock: _Clock, 
 
 def test_a_step_that_would_outlast_the_expected_reply_is_not_started(clock: _Clock) -> None:
     edge = EdgeDrafting(6, True, None, False)
-    edge.landed(0.30)
-    stop = edge._before_reply(lambda: False)
+    stop = edge._before_reply(lambda: False, 0.30)
     steps = 0
     while not stop():
         clock.now += 0.08  # a drafting step

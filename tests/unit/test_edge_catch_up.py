@@ -164,23 +164,28 @@ def test_the_drafter_prefills_the_prompt_it_expects_while_the_session_opens(targ
     assert done.value.value == "reply"
 
 
-def test_a_draft_ahead_stops_when_its_rounds_reply_is_in(target):
-    """Drafting the next round while one is in flight ends once the reply is in (after the step under way):
-    drafting on would delay the next request. A draft cut short is the same draft's prefix; one with only the
-    guess (no token after it) is not kept."""
+def _round_in_flight(target, tokens: list[int]):
+    """A 2-token round's draft after ``tokens`` by a fresh model drafter, and the run and segment it is in."""
     from agentspec.client.events import SegmentStats
     from agentspec.client.run import Run
     from agentspec.types import DraftProposal, SamplingParams
 
+    drafter = ModelDrafter(target)  # the round's draft is its own: it has read the prompt
+    prop = DraftProposal(tokens=tuple(drafter.propose(DraftContext(tokens, len(tokens)), 2).tokens))
+    run = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "edge", drafter)
+    run.prompt, run.tokens = list(tokens), list(tokens)
+    return prop, run, SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, {}, "text")
+
+
+def test_a_draft_ahead_stops_when_its_rounds_reply_is_in(target):
+    """Drafting the next round while one is in flight ends once the reply is in (after the step under way):
+    drafting on would delay the next request. A draft cut short is the same draft's prefix; one with only the
+    guess (no token after it) is not kept."""
     tokens = make_prompt(0)
     aheads = {}
     for polls in (0, 3, 10**6):  # the reply: in before the first question, after three, never
-        drafter = ModelDrafter(target)  # the round's draft is its own: it has read the prompt
-        prop = DraftProposal(tokens=tuple(drafter.propose(DraftContext(tokens, len(tokens)), 2).tokens))
-        run = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "edge", drafter)
-        run.prompt, run.tokens = list(tokens), list(tokens)
-        seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, {}, "text")
-        EdgeDrafting(6, True, None, preview=False).draft_ahead(run, seg, prop, _after(polls))
+        prop, run, seg = _round_in_flight(target, tokens)
+        EdgeDrafting(6, True, None, preview=False).draft_ahead(run, seg, prop, None, _after(polls))
         aheads[polls] = run.ahead
     assert aheads[0] is None  # the guess alone: nothing to draft with
     full = aheads[10**6]
@@ -188,22 +193,31 @@ def test_a_draft_ahead_stops_when_its_rounds_reply_is_in(target):
     assert aheads[3][0] == full[0] and aheads[3][1].tokens == full[1].tokens[:3]
 
 
+def test_a_rounds_own_expected_flight_stops_its_draft_ahead(target):
+    """The deadline a draft ahead stops before is the round's own expected flight when the caller has one
+    (the edge cost line at the pass's size): a plain step's round is shorter than the mean round, and a
+    deadline at the mean had its draft ahead overrun the reply by half a drafting step on average."""
+    tokens = make_prompt(2)
+    aheads = {}
+    for flight in (None, 1e-9):
+        prop, run, seg = _round_in_flight(target, tokens)
+        edge = EdgeDrafting(6, True, None, preview=False)
+        edge.landed(60.0)  # the mean round: a minute
+        edge.draft_ahead(run, seg, prop, flight, _after(10**6))
+        aheads[flight] = run.ahead
+    assert len(aheads[None][1]) == 6  # by the mean, a minute left: the guess and 6 drafts
+    assert aheads[1e-9] is None  # this round's reply is due: the guess, then no step that would outlast it
+
+
 def test_a_draft_ahead_cut_short_is_drafted_on_to_the_rounds_length(target):
     """A draft ahead that stopped at the reply is a head start: when its hypothesis holds, the next round
     drafts on from it up to γ, and sends what a fresh draft of γ would have been."""
-    from agentspec.client.events import SegmentStats
-    from agentspec.client.run import Run
     from agentspec.router import ModePolicy
-    from agentspec.types import DraftProposal, SamplingParams
 
     tokens = make_prompt(1)
-    drafter = ModelDrafter(target)
-    prop = DraftProposal(tokens=tuple(drafter.propose(DraftContext(tokens, len(tokens)), 2).tokens))
-    run = Run([{"role": "user", "content": "x"}], None, 64, SamplingParams(), (), "edge", drafter)
-    run.prompt, run.tokens = list(tokens), list(tokens)
-    seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, {}, "text")
+    prop, run, seg = _round_in_flight(target, tokens)
     edge = EdgeDrafting(6, True, None, preview=False)
-    edge.draft_ahead(run, seg, prop, _after(1))  # the guess and one draft
+    edge.draft_ahead(run, seg, prop, None, _after(1))  # the guess and one draft
     assert len(run.ahead[1]) == 1
     run.tokens = list(run.ahead[0])  # the hypothesis held
     sent = edge.round(run, seg, ModePolicy()).prop  # nothing measured: γ = 6
@@ -252,9 +266,9 @@ def test_a_round_that_drafts_nothing_still_drafts_the_next_one_ahead(target):
         seg = SegmentStats("edge", 0, 0, 0, 0, 0.0, 0.0, 0.0, {}, "text")
         nothing = DraftProposal()
         assert run.drafter.catchup_tokens(tokens) and edge.pipelines(run, nothing)  # a new prompt: behind
-        edge.draft_ahead(run, seg, nothing, _after(1))  # the reply came during the catch-up's first chunk
+        edge.draft_ahead(run, seg, nothing, None, _after(1))  # the reply came during the catch-up's first chunk
         assert run.ahead is None and 0 < run.drafter.catchup_tokens(tokens) < len(tokens)
-        edge.draft_ahead(run, seg, nothing, _after(10**6))  # caught up in flight, then drafted ahead
+        edge.draft_ahead(run, seg, nothing, None, _after(10**6))  # caught up in flight, then drafted ahead
         guess = run.ahead[0][-1]
         assert run.ahead[0] == (*tokens, guess) and len(run.ahead[1]) == 4
         run.tokens = [*tokens, guess if came_true else (guess + 1) % VOCAB]  # the round's one token

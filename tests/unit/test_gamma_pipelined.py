@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import random
 
-from agentspec.router import DraftLengthPolicy, ModePolicy
+import pytest
+
+from agentspec.router import DraftLengthPolicy, LinearCost, ModePolicy
 
 T_D = 0.049  # a drafting step of an int4 0.5B on one core
 
@@ -110,3 +112,27 @@ def test_an_edge_policys_pass_costs_follow_the_lengths_it_stopped_choosing():
             edge.costs.observe(gamma, _wall(gamma) - 0.03)
     assert abs(edge.costs.seconds(0) - (_wall(0) - 0.03)) < 0.02
     assert edge.costs.seconds(0) < edge.costs.seconds(4) < edge.costs.seconds(6)
+
+
+def test_an_edge_policy_prices_a_draft_by_the_nodes_its_pass_carries():
+    """A width-2 tree carries about two nodes a drafted token (each with a sibling leaf): the edge policy's
+    cost line is over a pass's nodes, and a γ is priced at the nodes its rounds carried per draft token."""
+    edge = ModePolicy().edge
+    for _ in range(30):
+        for gamma in (0, 2, 3, 5):
+            nodes = 2 * gamma
+            edge.observe(gamma, 0, 0, 0.136 + 0.0075 * nodes, pass_tokens=nodes)
+    assert abs(edge.nodes_per_draft - 2.0) < 1e-9
+    assert abs(edge._t_v(4) - (0.136 + 0.0075 * 8)) < 1e-6
+    # rounds drafted ahead carry what the draft made by the reply holds: at γ 4 and 5 alike, 7 to 11 nodes.
+    # Over γ the line came out flat (a VM run's fit fell from 16 ms a γ to 0, and the policy then drafted
+    # 5 tokens on the critical path as if they cost no pass time); over nodes its slope is the kernel's
+    by_gamma, by_nodes = DraftLengthPolicy(costs=LinearCost()), ModePolicy().edge
+    for _ in range(10):
+        for gamma, nodes in ((4, 11), (5, 8), (4, 7), (5, 10)):
+            by_gamma.observe(gamma, 0, 0, 0.136 + 0.0075 * nodes)
+            by_nodes.observe(gamma, 0, 0, 0.136 + 0.0075 * nodes, pass_tokens=nodes)
+    assert by_gamma._t_v(5) - by_gamma._t_v(0) < 0.01
+    assert abs(by_nodes._t_v(5) - by_nodes._t_v(0) - 0.0075 * 5 * by_nodes.nodes_per_draft) < 1e-6
+    with pytest.raises(ValueError, match="LinearCost"):
+        DraftLengthPolicy(costs_by_nodes=True)

@@ -90,7 +90,7 @@ def test_a_tree_round_drafts_the_next_one_ahead_on_its_spine(target):
     edge = EdgeDrafting(4, True, None, preview=False)
     prop = edge.round(run, seg, ModePolicy()).prop
     assert prop.is_tree and edge.pipelines(run, prop)
-    edge.draft_ahead(run, seg, prop, lambda: False)
+    edge.draft_ahead(run, seg, prop, None, lambda: False)
     spine = [prop.tokens[i] for i in prop.spine()]
     guess = run.ahead[0][-1]
     assert run.ahead[0] == (*tokens, *spine, guess)
@@ -145,7 +145,8 @@ def test_an_edge_round_counts_only_the_free_positions_it_drafted_toward_acceptan
         policy.observe_round("edge", len(SIBLINGS), 3, 4, wall_s=0.4, server_s=0.38, verify_s=0.38, draft_s=0.0,
                              taken=((len(SIBLINGS.spine()), reached, accepted), (3, 3)))
     assert policy.edge.acceptance.reached == policy.edge.acceptance.accepted == [6, 6, 6]
-    assert set(policy.edge.costs.observed) == {3}  # the pass's cost is the γ of 3 it carried, leaves and all
+    assert set(policy.edge.costs.observed) == {6}  # the pass's cost is its nodes', leaves and all
+    assert policy.edge.nodes_per_draft == 2.0  # a γ of 3 carried 6 nodes: its pass is priced as 6 nodes'
     assert policy.edge.acceptance.conditional(5)[3] > 0.9  # position 4 inherits, never seen rejected
     forced = DraftProposal(tokens=(5, 6, 10, 11), num_forced=2)
     assert forced.free_acceptance(forced.depth_along((5, 6, 10, 99), 3), 3) == (2, 2, 1)
