@@ -24,7 +24,7 @@ from agentspec.models.loading import LoadedModel
 
 __all__ = ["cache_length", "cache_nbytes", "check_divergence", "copy_cache_prefix", "crop_cache", "forward",
            "flat_draft_tokens", "flat_pass_len", "forward_batch", "keep_cache_positions", "logit_path_noise", "logits_at",
-           "measure_verify_cost",
+           "measure_verify_cost", "warm_up_verify_cost",
            "new_cache", "spare_positions", "synchronize"]
 
 
@@ -198,6 +198,20 @@ def measure_verify_cost(model: Any, prompt_ids: Sequence[int], max_tokens: int, 
             if rep:
                 samples[k].append(seconds)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+WARM_UP_CONTEXT = 512  # tokens of context a server's start-up verify-cost curve is measured over
+
+
+def warm_up_verify_cost(model: Any, vocab_size: int, max_tokens: int, max_len: int) -> dict[int, float]:
+    """A verifier's start-up curve (:func:`measure_verify_cost`, one repetition) over an agent's context of
+    :data:`WARM_UP_CONTEXT` tokens (fewer where ``max_len`` or the model's positions run out). Over 32
+    tokens a CPU's passes are short enough that noise moved its flat part, and so the draft cap it sets
+    (:func:`flat_draft_tokens`), between 4 and 8 tokens from one start to the next where the cost climbs
+    row by row (a Zen 5 core in bf16); over 512 the shape held in every start measured."""
+    room = min(max_len, getattr(getattr(model, "config", None), "max_position_embeddings", None) or max_len)
+    ids = [t % vocab_size for t in range(1, max(min(WARM_UP_CONTEXT, room - max_tokens), 8) + 1)]
+    return measure_verify_cost(model, ids, max_tokens, reps=1)
 
 
 def flat_pass_len(curve: Mapping[int, float], flat: float = 1.15) -> int:

@@ -85,13 +85,13 @@ class VerifierEngine:
         return curve
 
     def _warm_up(self) -> dict[int, float]:
-        ids = [t % self.vocab_size for t in range(1, 33)]
-        curve = models.measure_verify_cost(self.target.model, ids, self.config.max_draft_tokens + 1, reps=1)
+        curve = models.warm_up_verify_cost(self.target.model, self.vocab_size, self.config.max_draft_tokens + 1,
+                                           self.config.max_model_len)
         for name in ("model", "copy"):
             self.policies[name] = DraftLengthPolicy.from_calibration(curve)
         self.verify_costs, self.flat_draft_tokens = curve, models.flat_draft_tokens(curve)
         cache = models.new_cache(self.target.model)
-        models.forward(self.target.model, ids[:8], cache, 1)
+        models.forward(self.target.model, [t % self.vocab_size for t in range(1, 9)], cache, 1)
         self.store.bytes_per_token = -(-models.cache_nbytes(cache) // 8)
         if rss_bytes() is not None:  # freed KV pages go back to the OS only once RSS passes weights + KV cap
             self.store.rss_soft_limit = models.resident_weight_bytes(self.target.model) + self.config.kv_cache_memory

@@ -32,6 +32,25 @@ def test_the_flat_length_ends_where_the_curve_steps_up():
         models.flat_pass_len({8: 1.0, 16: 1.1})
 
 
+def test_the_start_up_curve_is_measured_over_an_agents_context(target, monkeypatch):
+    """The verifier's start-up curve (which sets the flat draft cap) is measured over WARM_UP_CONTEXT tokens,
+    fewer where the session length or the model's positions end first; each size's pass is a real one."""
+    contexts = []
+    measure = models.kv.measure_verify_cost
+
+    def recording(model, prompt_ids, max_tokens, reps):
+        contexts.append(len(prompt_ids))
+        return measure(model, prompt_ids, max_tokens, reps)
+
+    monkeypatch.setattr(models.kv, "measure_verify_cost", recording)
+    vocab = target.model.config.vocab_size
+    curve = models.warm_up_verify_cost(target.model, vocab, 17, 8192)
+    assert sorted(curve) == list(range(1, 18)) and all(s > 0 for s in curve.values())
+    assert models.warm_up_verify_cost(target.model, vocab, 17, 300)
+    positions = target.model.config.max_position_embeddings
+    assert contexts == [models.kv.WARM_UP_CONTEXT, 300 - 17] and positions >= models.kv.WARM_UP_CONTEXT + 17
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["edge", "server"])
 def test_rounds_carry_at_most_the_verifiers_flat_draft_and_stay_lossless(target, mode):
