@@ -205,10 +205,11 @@ WARM_UP_CONTEXT = 512  # tokens of context a server's start-up verify-cost curve
 
 def warm_up_verify_cost(model: Any, vocab_size: int, max_tokens: int, max_len: int) -> dict[int, float]:
     """A verifier's start-up curve (:func:`measure_verify_cost`, one repetition) over an agent's context of
-    :data:`WARM_UP_CONTEXT` tokens (fewer where ``max_len`` or the model's positions run out). Over 32
-    tokens a CPU's passes are short enough that noise moved its flat part, and so the draft cap it sets
-    (:func:`flat_draft_tokens`), between 4 and 8 tokens from one start to the next where the cost climbs
-    row by row (a Zen 5 core in bf16); over 512 the shape held in every start measured."""
+    :data:`WARM_UP_CONTEXT` tokens (fewer where ``max_len`` or the model's positions run out): the cost
+    an agent's rounds pay. Over 32 tokens, where the cost climbs row by row (a Zen 5 core in bf16), the
+    flat part, and so the draft cap it sets (:func:`flat_draft_tokens`), moved between 4 and 8 tokens from
+    one start to the next. Over 512 its ratios repeat closely, but on such a CPU they sit near
+    ``flat_pass_len``'s threshold at 5-6 tokens, so the cap can still come out as none or as 5."""
     room = min(max_len, getattr(getattr(model, "config", None), "max_position_embeddings", None) or max_len)
     ids = [t % vocab_size for t in range(1, max(min(WARM_UP_CONTEXT, room - max_tokens), 8) + 1)]
     return measure_verify_cost(model, ids, max_tokens, reps=1)
