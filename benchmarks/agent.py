@@ -39,7 +39,8 @@ Per task: model time (every model call's wall time, prefill and network included
 tokens per round by content kind (tool-call JSON or text) and whether the transcript (messages, tool calls,
 end state) is identical to plain's. Every call asks for the top-2 logprobs of its tokens, so a run that parts
 from plain's is reported with the token where it parts and both runs' top-2 margins there (a bf16 near-tie,
-or a real loss). Then the lossless check in fp32 (plain, server, edge, auto at RTT 0) and how often the 1.5B
+or a real loss), and each bf16 divergence is then judged at its own context: the target's margin there against
+how far its computation path moves logits (``benchmarks/agent_ties.py``). Then the lossless check in fp32 (plain, server, edge, auto at RTT 0) and how often the 1.5B
 and the 0.5B, each decoding plainly, complete the tasks correctly.
 """
 
@@ -56,12 +57,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from agentspec import models
 from agentspec.adapters.langchain import ChatAgentSpec
 from agentspec.demo import AGENT_RULES, run_agent, transcript
 from agentspec.drafters import ModelDrafter
-from benchmarks import common
+from benchmarks import agent_ties, common
 from benchmarks.agent_tasks import TASKS, Task, World, final_answer
 from benchmarks.common import log
 from benchmarks.delay_proxy import DelayProxy
@@ -315,6 +317,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Any, tuple[Task, ...], tu
                     "own client and API key, so none copies an earlier run's answer")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 lossless check")
     ap.add_argument("--no-completion", action="store_true", help="skip the 0.5B's own task runs (tasks_correct)")
+    ap.add_argument("--no-judge", action="store_true", help="leave bf16 divergences unjudged (no fresh target "
+                    "forwards measuring each one's margin and path noise: benchmarks/agent_ties.py)")
     ap.add_argument("--cold-agent-prefix", action="store_true",
                     help="warm up without the agent's system prompt and tools: the first task pays their prefill")
     ap.add_argument("--quick", action="store_true")
@@ -404,6 +408,14 @@ def main(argv: list[str] | None = None) -> int:
     result["plain_same_as_rtt0"] = plain_across_rtts(result["runs"], low)
     result["completion"] = None if args.no_completion else completion(result["runs"][low]["plain"], tasks, drafter,
                                                                       keys, args, min(rtts))
+    if not args.no_judge:  # every server is closed: the judge's own copy of the target has the cores
+        t0 = time.perf_counter()
+        target = models.load_model(TARGET, device="cpu", dtype="bfloat16")
+        tools = [convert_to_openai_tool(t) for t in World().tools()]
+        n = agent_ties.judge_all(target, result, tools, args.system_prompt)
+        result["judge_s"] = round(time.perf_counter() - t0, 1)
+        log(f"judged {n} bf16 divergences in {result['judge_s']} s")
+        del target
     accept = acceptance(result, rtts, args)
     for block in result["runs"].values():  # per-token logprobs served the divergence report; too big to keep
         for by_task in block.values():
@@ -499,10 +511,22 @@ def acceptance(result: dict[str, Any], rtts: list[float], args: Any) -> dict[str
         "tasks_correct": None if done is None else {m: sum(v.values()) for m, v in done.items()
                                                     if not m.startswith("answers")},
         "divergences": divergences,  # fp32 ones would be losses; bf16 ones should be near-ties
+        "bf16_divergence_verdicts": verdicts(divergences),
+        "bf16_divergences_all_ties": None if args.no_judge else all(
+            d.get("judged", {}).get("verdict") == "tie" for d in divergences if d["run"].startswith("bf16")),
         "bf16_divergence_margin_max": max((d["plain"]["margin"] for d in divergences
                                            if "plain" in d and d["run"].startswith("bf16")), default=None),
         "targets": {"decode_speedup_bf16": 3.0, "task_e2e_speedup_bf16": 2.0, "auto_vs_best_min": 0.95},
     }
+
+
+def verdicts(divergences: list[dict[str, Any]]) -> dict[str, int]:
+    """How many bf16 divergences were judged ties, failures, or could not be judged (agent_ties)."""
+    out: dict[str, int] = {}
+    for d in divergences:
+        if d["run"].startswith("bf16") and "judged" in d:
+            out[d["judged"]["verdict"]] = out.get(d["judged"]["verdict"], 0) + 1
+    return out
 
 
 def setup(args: Any, tasks: tuple[Task, ...], methods: tuple[str, ...]) -> dict[str, Any]:

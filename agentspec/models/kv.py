@@ -241,30 +241,33 @@ def logits_at(model: Any, ids: Sequence[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def logit_path_noise(model: Any, prompt_ids: Sequence[int], generated: Sequence[int], chunk: int) -> dict:
+def logit_path_noise(model: Any, prompt_ids: Sequence[int], generated: Sequence[int],
+                     chunk: int | Sequence[int]) -> dict:
     """How far the same position's logits move when only the computation path changes.
 
-    The logits predicting each of ``generated`` are computed three ways: (a) one forward over the whole
+    The logits predicting each of ``generated`` are computed several ways: (a) one forward over the whole
     sequence, (b) prompt prefill then one token per forward (plain decoding), (c) prompt prefill then
-    ``chunk`` tokens per forward (a verify pass). All three are the target's exact greedy computation;
-    in bf16 they round differently. Returns the largest and the median absolute difference, over
-    positions and path pairs, of the logits of path (a)'s top-2 tokens.
+    ``chunk`` tokens per forward (a verify pass; several sizes: one path each). All are the target's exact
+    greedy computation; in bf16 they round differently. Returns the largest and the median absolute
+    difference, over positions and path pairs, of the logits of path (a)'s top-2 tokens.
     """
     prompt, gen = list(prompt_ids), list(generated)
     if not gen:
         return {"max_abs": float("nan"), "median_abs": float("nan"), "positions": 0}
     full = forward(model, prompt + gen, new_cache(model), num_logits=len(gen) + 1)[:-1].float()
+    prefill = new_cache(model)
+    first = forward(model, prompt, prefill, num_logits=1)
     paths = [full]
-    for step in (1, chunk):
-        cache = new_cache(model)
-        rows = [forward(model, prompt, cache, num_logits=1)]
+    for step in (1, *([chunk] if isinstance(chunk, int) else chunk)):
+        cache, rows = copy_cache_prefix(model, prefill, len(prompt)), [first]  # the same prefill for every path
         for i in range(0, len(gen) - 1, step):
             piece = gen[i:i + step][: len(gen) - 1 - i]
             rows.append(forward(model, piece, cache, num_logits=len(piece)))
         paths.append(torch.cat(rows).float())  # [len(gen), vocab]
     top2 = torch.topk(full, 2, dim=-1).indices  # [len(gen), 2]
     picked = [p.gather(-1, top2) for p in paths]
-    diffs = torch.cat([(picked[i] - picked[j]).abs().flatten() for i in range(3) for j in range(i + 1, 3)])
+    diffs = torch.cat([(picked[i] - picked[j]).abs().flatten()
+                       for i in range(len(paths)) for j in range(i + 1, len(paths))])
     return {"max_abs": float(diffs.max()), "median_abs": float(diffs.median()), "positions": len(gen),
             "chunk": chunk}
 
