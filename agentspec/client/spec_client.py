@@ -295,7 +295,8 @@ class SpecClient:
         if seg.tokens:
             self.policy.observe_segment(seg.mode, seg.wall_s / seg.tokens, tokens=seg.tokens, rounds=seg.rounds,
                                         drafted=seg.drafted, draft_s=seg.draft_s, kind=seg.kind,
-                                        catchup_s=seg.catchup_s, entry_s=seg.entry_s or 0.0)
+                                        catchup_s=seg.catchup_s, entry_s=seg.entry_s or 0.0,
+                                        ended=run.finish is not None or run.generated >= run.max_tokens)
             if run.mode == "auto":  # judge the shadowed modes, and edge's model, on the text just committed
                 shadow_segment(run, seg, self.policy, self._shadows, self._server_copy)
 

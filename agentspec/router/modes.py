@@ -340,7 +340,7 @@ class ModePolicy:
 
     def observe_segment(self, mode: str, seconds_per_token: float, *, tokens: int = 0, rounds: int = 0,
                         drafted: int = 0, draft_s: float = 0.0, kind: str | None = None,
-                        catchup_s: float = 0.0, entry_s: float = 0.0) -> None:
+                        catchup_s: float = 0.0, entry_s: float = 0.0, ended: bool = False) -> None:
         """A finished segment's wall seconds per committed token in ``mode`` (and, when known, its token,
         round and draft counts, the local drafter's seconds in it and the content kind it started in).
 
@@ -349,7 +349,8 @@ class ModePolicy:
         catch up on; the mode's own estimates and a probe's verdict leave it out. ``entry_s``: the drafting of
         an edge segment's cold first round, charged to entering edge too (:meth:`choose`), so left out of the
         same (not of the correction: the closed form of the segment counts it in ``draft_s``). A server-side
-        mode's segment shorter than ``segment_tokens`` is judged with a whole segment's share of its RTT."""
+        mode's segment shorter than ``segment_tokens`` is judged with a whole segment's share of its RTT.
+        ``ended``: its message ended in it, and before ``probe_tokens`` tokens: no verdict (a cut round's)."""
         c = self.config
         k, rtt = kind or "text", self.network_s()
         wall_s = max(seconds_per_token * tokens - catchup_s, 0.0)  # the correction's: draft_s has the entry
@@ -359,6 +360,27 @@ class ModePolicy:
             # a streamed segment pays one round trip however few tokens it commits: a probe's, a trial's or
             # an answer's last few are judged as a whole segment pays it, or a short probe loses on the RTT
             seconds_per_token = max(seconds_per_token - rtt * (1 / tokens - 1 / c.segment_tokens), 0.0)
+        if ended and tokens < c.probe_tokens:  # its rounds committed what was left of the message, not a mode's
+            self.seconds_per_token.setdefault(mode, seconds_per_token)  # tried, though not judged
+            if mode == self.probing:  # nor switched to: what follows is a trial still
+                self.trial_streak[(mode, k)] = self.trial_streak.get((mode, k)) or 0
+        else:
+            self._verdict(mode, k, seconds_per_token, tokens, rounds)
+        self.probing = None
+        if not (tokens and rounds) or rtt is None or mode not in self.modes:
+            return
+        if mode not in c.shadowed and mode != "server-ar" and (mode, None) not in self.round_sums:
+            self._per_round(mode, tokens / rounds, drafted / rounds, kind)  # no round of it was reported
+        # the closed form on the segment's own counts: the correction absorbs nothing of the text's predictability
+        predicted = costs.segment_s(mode, tokens, rounds, drafted, draft_s, rtt, self.server_costs.seconds, self.t_ds)
+        if predicted is not None and predicted > 0:
+            ratio = min(max(wall_s / predicted, 0.5), 3.0)
+            self.correction[mode] = ema(self.correction.get(mode), ratio, c.correction_ema)
+            self.correction_kind[(mode, k)] = ema(self.correction_kind.get((mode, k)), ratio, c.correction_ema)
+
+    def _verdict(self, mode: str, k: str, seconds_per_token: float, tokens: int, rounds: int) -> None:
+        """A segment's verdict (:meth:`observe_segment`): a probe's back-off, a trial's count, the EMAs."""
+        c = self.config
         if mode == self.probing and self.current is not None and self.current != mode:
             # against what the incumbent measured here: its prediction may rest on another kind's text
             incumbent = self.measured_kind.get((self.current, k)) or self.predicted(self.current, k)
@@ -374,16 +396,5 @@ class ModePolicy:
             self.trial_streak[(mode, k)] = (self.trial_streak.get((mode, k)) or 0) + (rounds or tokens)
             spent, counted = self.trial_cost.get((mode, k), (0.0, 0))
             self.trial_cost[(mode, k)] = (spent + seconds_per_token * tokens, counted + tokens)
-        self.probing = None
         self.seconds_per_token[mode] = ema(self.seconds_per_token.get(mode), seconds_per_token, c.ema)
         self.measured_kind[(mode, k)] = ema(self.measured_kind.get((mode, k)), seconds_per_token, c.ema)
-        if not (tokens and rounds) or rtt is None or mode not in self.modes:
-            return
-        if mode not in c.shadowed and mode != "server-ar" and (mode, None) not in self.round_sums:
-            self._per_round(mode, tokens / rounds, drafted / rounds, kind)  # no round of it was reported
-        # the closed form on the segment's own counts: the correction absorbs nothing of the text's predictability
-        predicted = costs.segment_s(mode, tokens, rounds, drafted, draft_s, rtt, self.server_costs.seconds, self.t_ds)
-        if predicted is not None and predicted > 0:
-            ratio = min(max(wall_s / predicted, 0.5), 3.0)
-            self.correction[mode] = ema(self.correction.get(mode), ratio, c.correction_ema)
-            self.correction_kind[(mode, k)] = ema(self.correction_kind.get((mode, k)), ratio, c.correction_ema)

@@ -200,3 +200,42 @@ def test_a_switch_starts_with_probe_length_segments_that_double_while_it_holds_u
     _rounds(losing, "server", [("tool", 1, 6, 0.0)] * 8, seg_kind="tool")  # the call's code: no copies
     assert losing.choose(kind="tool") == "edge"  # judged again after 8 tokens, not 32: it goes back
     assert losing.segment_limit() == c.probe_tokens  # (as a trial: edge's tool estimate is the older)
+
+
+def _end_of_message(policy: router.ModePolicy, mode: str, ended: bool) -> None:
+    """A segment of one token in one round at 0.6 s (server measured 0.46 s a token in this prose): a message's
+    last token (``ended``), or a whole segment's figure, which is a verdict."""
+    policy.observe_round(mode, 2, 0, 1, wall_s=0.6, server_s=0.42, verify_s=0.42, draft_s=0.0, kind="text",
+                         segment_kind="text")
+    policy.observe_segment(mode, 0.6, tokens=1, rounds=1, drafted=2, kind="text", ended=ended)
+
+
+def test_a_segment_its_message_ended_after_a_token_or_two_is_no_verdict():
+    """The agent benchmark's fix_mean at RTT 0: an edge trial in prose ran the message's last token, one round
+    at 172 ms; as a verdict it lost against server's 74 ms a token, and server ran the next answer's prose,
+    three segments at 103-137 ms a token, while edge was predicted at 57-81. A round cut by the end commits
+    what was left of the message, not what the mode drafts."""
+    def prose_on_server() -> router.ModePolicy:
+        policy = _edge_after_server_in_tool_calls()
+        policy.current = "server"
+        policy.last_used[("server", "text")] = policy.segments = policy.segments + 1  # newer than edge's
+        _rounds(policy, "server", [("text", 1, 4, 0.0)] * 12, seg_kind="text")  # prose it copies none of
+        assert policy.choose(kind="text") == "edge" and policy.probing == "edge" and not policy.scheduled
+        return policy
+
+    cut = prose_on_server()
+    measured = cut.measured_kind[("edge", "text")]
+    _end_of_message(cut, "edge", ended=True)
+    assert cut.trial_cost.get(("edge", "text"), (0.0, 0))[1] == 0 and cut.measured_kind[("edge", "text")] == measured
+    assert cut.choose(kind="text") == "edge" and cut.probing == "edge"  # the trial goes on in the next answer
+    judged = prose_on_server()
+    _end_of_message(judged, "edge", ended=False)
+    assert judged.choose(kind="text") == "server"  # the same figure as a whole segment's is a lost trial
+    probed = prose_on_server()
+    probed.segments += probed.config.probe_every
+    probed.current, probed.probing = "server", None
+    assert probed.choose(kind="text") == "edge" and probed.scheduled  # a due probe that the message's end cuts
+    _end_of_message(probed, "edge", ended=True)
+    assert ("edge", "text") not in probed.probe_interval  # not backed off
+    _end_of_message(probed, "server-ar", ended=True)
+    assert "server-ar" in probed.seconds_per_token  # tried: a mode whose segments all end short is not untried
