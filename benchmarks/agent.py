@@ -39,9 +39,10 @@ Per task: model time (every model call's wall time, prefill and network included
 tokens per round by content kind (tool-call JSON or text) and whether the transcript (messages, tool calls,
 end state) is identical to plain's. Every call asks for the top-2 logprobs of its tokens, so a run that parts
 from plain's is reported with the token where it parts and both runs' top-2 margins there (a bf16 near-tie,
-or a real loss), and each bf16 divergence is then judged at its own context: the target's margin there against
-how far its computation path moves logits (``benchmarks/agent_ties.py``). Then the lossless check in fp32 (plain, server, edge, auto at RTT 0) and how often the 1.5B
-and the 0.5B, each decoding plainly, complete the tasks correctly.
+or a real loss), and each bf16 divergence is then judged at its own context: the target's margin there
+against how far its computation path moves logits (``benchmarks/agent_ties.py``). Then the lossless check in
+fp32 (plain, server, edge, auto at RTT 0) and how often the 1.5B and the 0.5B, each decoding plainly,
+complete the tasks correctly.
 """
 
 from __future__ import annotations
@@ -511,9 +512,8 @@ def acceptance(result: dict[str, Any], rtts: list[float], args: Any) -> dict[str
         "tasks_correct": None if done is None else {m: sum(v.values()) for m, v in done.items()
                                                     if not m.startswith("answers")},
         "divergences": divergences,  # fp32 ones would be losses; bf16 ones should be near-ties
-        "bf16_divergence_verdicts": verdicts(divergences),
-        "bf16_divergences_all_ties": None if args.no_judge else all(
-            d.get("judged", {}).get("verdict") == "tie" for d in divergences if d["run"].startswith("bf16")),
+        "bf16_divergence_verdicts": (judged := verdicts(divergences)),
+        "bf16_divergences_all_ties": None if args.no_judge else set(judged) <= {"tie"},  # every one is judged
         "bf16_divergence_margin_max": max((d["plain"]["margin"] for d in divergences
                                            if "plain" in d and d["run"].startswith("bf16")), default=None),
         "targets": {"decode_speedup_bf16": 3.0, "task_e2e_speedup_bf16": 2.0, "auto_vs_best_min": 0.95},
