@@ -83,7 +83,7 @@ class EdgeDrafting:
         gamma = -1
         if left > 0:
             gamma = min(policy.gamma("edge", self.gamma_max(run), kind=run.kind, drafted=made,
-                                     pipelined=self._pipelining()), left)
+                                     pipelined=self.pipelining()), left)
         fresh = 0
         if ahead is not None and gamma >= 0:
             prop, draft_s = ahead[1].cut(0, gamma + ahead[1].num_forced), 0.0
@@ -115,7 +115,7 @@ class EdgeDrafting:
         """γ's ceiling: the client's, within the verifier's ``flat_draft_tokens`` (more would be cut unsent)."""
         return min(self.num_draft_tokens, run.flat_draft_tokens)
 
-    def _pipelining(self) -> bool:
+    def pipelining(self) -> bool:
         """Whether this client drafts rounds ahead while one is in flight (:meth:`pipelines` asks more of each
         round: a chain proposal, room for another round): by default (``pipeline=None``) only where a round's
         drafting is long enough to be worth hiding."""
@@ -127,14 +127,14 @@ class EdgeDrafting:
         """Whether to draft the round after this one while it is in flight. Chains only: a tree has no one
         hypothesis to draft after. The tool drafter (grammar + copy + model) drafts ahead losslessly too: its
         grammar follows whatever tokens it is given and re-follows the committed ones when a hypothesis
-        fails, copies are looked up afresh, a model drafter crops its cache. Only while :meth:`_pipelining`.
+        fails, copies are looked up afresh, a model drafter crops its cache. Only while :meth:`pipelining`.
         A round the policy drafts nothing for (γ = 0) drafts ahead too: the drafter would only wait for its
         reply, and a guess that comes true gives the next round a draft that cost nothing. Without it, a
         drafter the policy judged not to pay (say on an answer's first, hard tokens) would sit out every round
         until the next probe. A drafter still behind (no proposal has caught it up: a new call's messages)
         catches up first, in chunks that stop when the reply is in (:meth:`draft_ahead`)."""
         # the next round's γ must be able to use a draft after the guess: a token left after both
-        return (self._pipelining() and (run.sampling.greedy or not prop.is_tree)
+        return (self.pipelining() and (run.sampling.greedy or not prop.is_tree)
                 and run.max_tokens - run.generated - len(prop.spine()) - 3 >= 0)
 
     def catches_up(self, run: Run, opening: bool = False) -> bool:

@@ -36,7 +36,7 @@ def shadow_drafters(drafter: Any, server_drafter: str, index: SuffixIndex | None
 
 
 def shadow_segment(run: Run, seg: SegmentStats, policy: ModePolicy, shadows: Mapping[str, Drafter] | None = None,
-                   server_copy: Drafter | None = None) -> None:
+                   server_copy: Drafter | None = None, pipelined: bool = True) -> None:
     """After an auto segment ``seg`` of ``run``: ``shadows`` (mode → chain drafter) replayed over its tokens
     for the modes in ``policy.config.shadowed``; then, where it ran in another mode, edge's rounds over the
     text committed since edge's last replay (as far as the drafter's catch-up knows its choices) and the
@@ -45,7 +45,9 @@ def shadow_segment(run: Run, seg: SegmentStats, policy: ModePolicy, shadows: Map
     follows), and a mode's own segments speak for themselves. Kinds are kept apart: prose before any call
     counts as text; a segment that starts and ends inside a call's JSON counts for edge as tool (a lower
     bound: its grammar and copies add to the model's chain), its own tokens only; a segment that crosses
-    from one into the other counts for neither, as a call opens in text."""
+    from one into the other counts for neither, as a call opens in text. Over prose, edge's critical-path
+    drafting is replayed too, as its rounds would draft now (``pipelined``: drafting each round's successor
+    while it is in flight, as the client does): the γ and the tokens ahead its draft length policy picks."""
     config = policy.config
     start = len(run.tokens) - seg.tokens
     policy.observe_replays(shadow_replays({m: d for m, d in (shadows or {}).items() if m in config.shadowed},
@@ -66,7 +68,12 @@ def shadow_segment(run: Run, seg: SegmentStats, policy: ModePolicy, shadows: Map
     start = max(run.shadowed_to, len(run.prompt) if prose else start, 1)
     if start >= len(run.tokens):
         return
-    replay = replay_known_next(known_next(run.drafter, run.tokens), run.tokens, start, config.gamma_max)
+    choices = known_next(run.drafter, run.tokens)
+    replay = replay_known_next(choices, run.tokens, start, config.gamma_max)
     if replay.rounds:
         run.shadowed_to = start + replay.tokens
-        policy.observe_shadow("edge", replay, kind=seg.kind)
+        # a call's JSON is drafted by a tree whose grammar and copies cost little: the model chain's drafting
+        # would overstate it, so only prose's is replayed
+        shape = policy.edge.pipeline_shape(config.gamma_max, seg.kind, pipelined) if prose else None
+        drafting = None if shape is None else replay_known_next(choices, run.tokens, start, *shape)
+        policy.observe_shadow("edge", replay, kind=seg.kind, drafting=drafting)

@@ -94,7 +94,7 @@ class SpecClient:
             index = SuffixIndex()
             self.tool_drafter = make_drafter("default", tokenizer=tokenizer, model=drafter, index=index)
             warm_grammar_tokenizer(tokenizer)  # its grammar's index takes about a second: built meanwhile
-        self._shadows, self._server_copy = shadow_drafters(drafter, server_drafter, index)
+        self._shadows, self._copy_chain = shadow_drafters(drafter, server_drafter, index)
         if policy is None:  # a shared policy gets this client's settings in its config
             policy = ModePolicy(ModeConfig(has_drafter=drafter is not None, has_api=fallback_model is not None,
                                            has_verifier=bool(urls), has_deployment=deployment is not None))
@@ -298,7 +298,7 @@ class SpecClient:
                                         catchup_s=seg.catchup_s, entry_s=seg.entry_s or 0.0,
                                         ended=run.finish is not None or run.generated >= run.max_tokens)
             if run.mode == "auto":  # judge the shadowed modes, and edge's model, on the text just committed
-                shadow_segment(run, seg, self.policy, self._shadows, self._server_copy)
+                shadow_segment(run, seg, self.policy, self._shadows, self._copy_chain, self._edge.pipelining())
 
     def _failover(self, run: Run, error: VerifierError) -> None:
         """Continue elsewhere with the committed tokens: another verifier, then the fallback API model."""

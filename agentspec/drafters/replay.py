@@ -44,6 +44,7 @@ def replay_chain(drafter: Drafter | None, tokens: Sequence[int], prompt_len: int
         done += emitted
         out.rounds += 1
         out.drafted += len(draft)
+        out.fresh += len(draft)
         out.accepted += min(accepted, emitted)
         out.gammas.append(len(draft))
         if segment:
@@ -66,18 +67,24 @@ def shadow_replays(shadows: Mapping[str, Drafter], tokens: Sequence[int], prompt
             for mode, drafter in shadows.items()}
 
 
-def replay_known_next(next_tokens: Sequence[int], tokens: Sequence[int], start: int, gamma: int) -> ChainReplay:
+def replay_known_next(next_tokens: Sequence[int], tokens: Sequence[int], start: int, gamma: int,
+                      ahead: int | None = None) -> ChainReplay:
     """A greedy chain drafter's rounds over ``tokens[start:]`` from its teacher-forced choices, with no
     drafting: ``next_tokens[i]`` is its greedy token after ``tokens[:i + 1]`` (-1: not known). Its chain
     follows the committed text while it matches, so a round accepts the run of positions where its choice is
-    the committed token, up to ``gamma``, and commits one more. Only whole rounds count: the replay stops
-    at the first that needs a choice not known, or runs past ``tokens``. ``draft_s`` stays 0."""
+    the committed token, up to its draft length, and commits one more. Only whole rounds count: the replay
+    stops at the first that needs a choice not known, or runs past ``tokens``. ``draft_s`` stays 0.
+
+    Every round drafts ``gamma`` on its critical path (``fresh``), unless ``ahead`` is given: then the
+    rounds are pipelined as an edge client's are, and a round whose whole draft was taken and whose guess of
+    the target's next token came true hands the next round ``ahead`` tokens drafted in flight (not fresh);
+    any other round leaves the next to draft ``gamma`` afresh (0: a plain step, whose guess drafts ahead)."""
     if not 1 <= start <= len(tokens):
         raise ValueError(f"need 1 <= start ({start}) <= len(tokens) ({len(tokens)})")
-    out, p = ChainReplay(), start
-    while gamma > 0:
+    out, p, draft, carried = ChainReplay(), start, gamma, False
+    while draft > 0 or ahead is not None:
         accepted = 0
-        while accepted < gamma and p + accepted < len(tokens):
+        while accepted < draft and p + accepted < len(tokens):
             i = p - 1 + accepted
             if i >= len(next_tokens) or next_tokens[i] < 0:
                 return out  # not known: a partial round would overstate the mismatch
@@ -87,9 +94,15 @@ def replay_known_next(next_tokens: Sequence[int], tokens: Sequence[int], start: 
         if p + accepted >= len(tokens):
             return out  # the round goes on past the text in hand
         out.rounds += 1
-        out.drafted += gamma
+        out.drafted += draft
+        out.fresh += 0 if carried else draft
         out.accepted += accepted
         out.tokens += accepted + 1
-        out.gammas.append(gamma)
+        out.gammas.append(draft)
+        guess = p - 1 + accepted  # the drafter's choice for the target's token this round commits
+        if ahead is not None and (guess >= len(next_tokens) or next_tokens[guess] < 0):
+            return out  # whether the next round was drafted ahead is not known
+        carried = ahead is not None and accepted == draft and next_tokens[guess] == tokens[p + accepted]
         p += accepted + 1
+        draft = ahead if carried and ahead is not None else gamma
     return out

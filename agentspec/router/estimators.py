@@ -147,11 +147,13 @@ class AcceptanceEstimator:
 @dataclass
 class ChainReplay:
     """A chain drafter's round loop replayed over output that is already known (under greedy decoding the
-    real run takes exactly this path): rounds, tokens, draft lengths, accepted drafts, drafting time."""
+    real run takes exactly this path): rounds, tokens, draft lengths, accepted drafts, drafting time, and the
+    tokens drafted on the rounds' critical path (``fresh``: all of them, unless rounds were drafted ahead)."""
 
     rounds: int = 0
     tokens: int = 0
     drafted: int = 0
+    fresh: int = 0
     accepted: int = 0
     segments: int = 0
     draft_s: float = 0.0

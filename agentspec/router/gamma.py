@@ -86,22 +86,38 @@ class DraftLengthPolicy:
             return 0
         if self._t_v(0) is None:
             return gamma_max  # nothing measured yet: draft fully, observe, then adapt
-        self.last_rates = {}
-        acceptance, survival = self.current_acceptance(kind), self.spine_survival(kind)
-        t_d = self.fresh_seconds_per_token or self.draft_seconds_per_token
-        ahead = self._ahead(gamma_max, t_d) if pipelined and not drafted else None
-        for gamma in range(min(at_least, gamma_max), gamma_max + 1):
-            if ahead is not None:
-                self.last_rates[gamma] = self._pipelined_rate(acceptance, gamma, ahead, t_d, survival)
-                continue
-            t = max(gamma - drafted, 0) * t_d + (self._t_v(gamma) or 0.0)
-            self.last_rates[gamma] = acceptance.expected_tokens(gamma) / t if t > 0 else 0.0
+        self.last_rates = self._rates(gamma_max, kind, drafted, at_least, pipelined)
         best = max(self.last_rates, key=lambda g: (self.last_rates[g], -g))
         self._zero_streak = self._zero_streak + 1 if best == 0 else 0
         if best == 0 and self._zero_streak >= self.probe_every:
             self._zero_streak = 0
             return min(self.min_probe, gamma_max)
         return best
+
+    def pipeline_shape(self, gamma_max: int, kind: str = "text", pipelined: bool = True
+                       ) -> tuple[int, int | None] | None:
+        """What a pipelined edge run drafts now (:meth:`choose`'s picks, none of its state moved): a fresh
+        round's γ, and the tokens a round's flight drafts ahead for the next one (None: not pipelined, or not
+        measured); None before a pass and the drafting are measured."""
+        t_d = self.fresh_seconds_per_token or self.draft_seconds_per_token
+        if gamma_max <= 0 or self._t_v(0) is None or t_d <= 0:
+            return None
+        rates = self._rates(gamma_max, kind, 0, 0, pipelined)
+        return max(rates, key=lambda g: (rates[g], -g)), self._ahead(gamma_max, t_d) if pipelined else None
+
+    def _rates(self, gamma_max: int, kind: str, drafted: int, at_least: int, pipelined: bool) -> dict[int, float]:
+        """Expected tokens per second by γ (:meth:`choose`'s arguments), pipelined or not."""
+        rates: dict[int, float] = {}
+        acceptance, survival = self.current_acceptance(kind), self.spine_survival(kind)
+        t_d = self.fresh_seconds_per_token or self.draft_seconds_per_token
+        ahead = self._ahead(gamma_max, t_d) if pipelined and not drafted else None
+        for gamma in range(min(at_least, gamma_max), gamma_max + 1):
+            if ahead is not None:
+                rates[gamma] = self._pipelined_rate(acceptance, gamma, ahead, t_d, survival)
+                continue
+            t = max(gamma - drafted, 0) * t_d + (self._t_v(gamma) or 0.0)
+            rates[gamma] = acceptance.expected_tokens(gamma) / t if t > 0 else 0.0
+        return rates
 
     def _ahead(self, gamma_max: int, t_d: float) -> int | None:
         """Draft tokens a round's flight leaves ready for the next one: drafting ahead makes the guess of the

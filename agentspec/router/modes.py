@@ -21,31 +21,25 @@ class ModePolicy:
     """Picks the mode of the next segment of a request (design.md's modes) from the closed forms.
 
     Inputs, all measured online: ``t_v(γ)`` (a :class:`LinearCost` over every reported pass) and ``t_ds`` from
-    the server's timings, ``t_d`` per node from edge rounds' critical-path drafting (per kind: the γ̄ of the
-    closed form counts a tree's nodes; a cold first round's is the price of entering edge), RTT from edge
-    rounds (wall − server compute) and session opens (they keep it current while no edge round runs);
-    ``E[A]`` and ``γ̄`` per mode, and per content kind (``"tool"``/``"text"``), from **shadow replays**
-    (:meth:`observe_replays`), so every mode is judged on the *same* text (segment costs are dominated by how
-    predictable the text is), or from the mode's own rounds when not in ``config.shadowed`` (with its
-    chain's rounds replayed over text other modes committed, :meth:`observe_shadow`): each round under its
-    kind (``"tool"`` where it drafted or committed inside JSON: a call's opening fence and brace are as
-    copyable as its arguments, and counted as prose they made a mode look good for prose), as ratios of
-    sums decayed over ``config.round_memory`` rounds, so an answer's prose is not judged on the call before
-    it. A correction per mode and kind (EMA of measured / closed-form seconds per segment it ran) absorbs
-    what the closed forms leave out (edge rounds inside a tool call carry a grammar-cut tree; in prose a
-    chain).
+    the server's timings; ``t_d`` per node (the closed form's γ̄ counts a tree's nodes) from edge rounds'
+    critical-path drafting per kind, and from its pipelined rounds replayed over text other modes committed
+    (a cold first round's is the price of entering edge); RTT from edge rounds (wall − server compute) and
+    session opens; ``E[A]`` and ``γ̄`` per mode and content kind (``"tool"``/``"text"``) from **shadow
+    replays** (:meth:`observe_replays`), so every mode is judged on the *same* text, or from the mode's own
+    rounds with its chain replayed over text other modes committed (:meth:`observe_shadow`). Each round
+    counts under its kind (``"tool"`` where it drafted or committed inside JSON: a call's opening fence and
+    brace are as copyable as its arguments), as ratios of sums decayed over ``config.round_memory`` rounds.
+    A correction per mode and kind (EMA of measured / closed-form seconds per segment) absorbs what the
+    closed forms leave out (edge's grammar-cut trees inside a call).
 
     Until a mode's inputs exist its measured seconds per token stands in; a mode never run is tried first.
     Modes judged without running them (shadowed, or server-ar) are never probed; the others every
-    ``probe_every`` segments since they last ran in the segment's content kind (a mode run only in tool calls
-    since a warm-up is due in prose), backing off (up to ``max_probe_every``) per kind while probes in it
-    lose by more than ``probe_margin`` to what the incumbent measured in that kind (its prediction until it
-    has): the wait doubles for each factor of ``1 + probe_margin`` a probe lost by (:meth:`ModeConfig.backed_off`), as
-    a mode far behind needs conditions to move further before it wins; a probe runs at most ``probe_tokens``
-    tokens in at most ``probe_rounds`` rounds. A switch needs the challenger ``hysteresis``
-    cheaper, and runs as a probe first where the challenger's estimate in the kind is older than the
-    incumbent's or rests on one probe alone, until its trials add up to ``trial_rounds`` rounds
-    (:meth:`_on_older_text`); where those trials measured it no cheaper than the incumbent, it waits for its
+    ``probe_every`` segments since they last ran in the segment's kind, backing off (up to
+    ``max_probe_every``; :meth:`ModeConfig.backed_off`) per kind while probes there lose by more than
+    ``probe_margin`` to what the incumbent measured there; a probe runs at most ``probe_tokens`` tokens in
+    ``probe_rounds`` rounds. A switch needs the challenger ``hysteresis`` cheaper, and runs as trials first
+    where its estimate in the kind is older than the incumbent's or rests on one probe, until they add up to
+    ``trial_rounds`` rounds (:meth:`_on_older_text`); trials that measured it no cheaper make it wait for its
     next probe (:meth:`_lost_trials`). A saturated server makes server-side drafting cost ``busy_penalty``
     more. ``api`` is never chosen automatically: another model.
     """
@@ -153,9 +147,8 @@ class ModePolicy:
         return min(c.probe_tokens << min(self.tenure, 16), c.segment_tokens)
 
     def segment_rounds(self) -> int | None:
-        """The most rounds of the segment :meth:`choose` just picked: a due probe's ``probe_rounds`` (a probe's
-        cost is its passes: one that commits a token a round has lost after a few, and eight cost eight
-        passes), else None (its tokens alone limit it). A trial is not cut: its rounds decide a switch."""
+        """The most rounds of the segment :meth:`choose` just picked: a due probe's ``probe_rounds`` (its cost is
+        its passes), else None (its tokens alone limit it). A trial is not cut: its rounds decide a switch."""
         return self.config.probe_rounds if self.scheduled else None  # scheduled: a due probe is in flight
 
     def _on_older_text(self, pick: str, kind: str) -> bool:
@@ -204,11 +197,9 @@ class ModePolicy:
 
     def _predicted_in(self, mode: str, kind: str) -> float:
         """Seconds per token of ``mode``'s rounds of ``kind``: the corrected closed form, else the measured EMA."""
-        cost = self.closed_form(mode, kind=kind)
-        if cost is None:
-            cost = self.seconds_per_token.get(mode, 0.0)
-        else:
-            cost *= self.correction_kind.get((mode, kind), self.correction.get(mode, 1.0))
+        cost, correction = self.closed_form(mode, kind=kind), self.correction.get(mode, 1.0)
+        cost = self.seconds_per_token.get(mode, 0.0) if cost is None else cost * self.correction_kind.get(
+            (mode, kind), correction)
         if mode == "server" and self.server_waiting > 0:
             cost *= self.config.busy_penalty
         return cost
@@ -277,10 +268,9 @@ class ModePolicy:
         if waiting is not None:
             self.server_waiting = int(waiting)
         if segment_kind is not None and emitted:
-            mix, keep = self.kind_mix.setdefault(segment_kind, {}), 1.0 - 1.0 / self.config.round_memory
-            for k in mix:
-                mix[k] *= keep
-            mix[kind] = mix.get(kind, 0.0) + emitted
+            keep = 1.0 - 1.0 / self.config.round_memory
+            mix = {k: keep * tokens for k, tokens in self.kind_mix.get(segment_kind, {}).items()}
+            self.kind_mix[segment_kind] = {**mix, kind: mix.get(kind, 0.0) + emitted}
         if verify_s > 0:
             self.server_costs.observe(drafted, verify_s)
         if mode == "server" and drafted and server_s > verify_s:
@@ -320,17 +310,27 @@ class ModePolicy:
             if mode == "edge" and r.drafted:
                 self.t_d_shadow = ema(self.t_d_shadow, r.draft_s / r.drafted, self.config.ema)
 
-    def observe_shadow(self, mode: str, replay: ChainReplay, kind: str = "text") -> None:
+    def observe_shadow(self, mode: str, replay: ChainReplay, kind: str = "text",
+                       drafting: ChainReplay | None = None) -> None:
         """``mode``'s rounds replayed over text another mode committed: edge's from the local model drafter's
         greedy choices its catch-up computed (:func:`~agentspec.drafters.replay.replay_known_next`), server's
         from a chain of its copy drafts. They count with the mode's own rounds of ``kind`` (E[A], γ̄), so its
-        estimate follows the text in hand while it does not run, instead of resting on its last probe (or on
-        a warm-up's prose). A chain only: where the tree's other branches or grammar would add, a lower
-        bound. Probes still measure what the closed form leaves out."""
-        if mode not in ("edge", "server") or mode in self.config.shadowed:
-            raise ValueError(f"a shadow counts with a probed mode's own rounds (edge, server), not {mode!r}")
+        estimate follows the text in hand while it does not run, not its last probe or a warm-up's prose (a
+        chain: a lower bound where a tree's branches or grammar add). ``drafting``: edge's pipelined rounds
+        over that text (``fresh``: tokens drafted on their critical path, at the drafter's seconds per fresh
+        token), counted with its rounds' critical-path drafting per node for the same reason."""
+        if mode not in ("edge", "server") or mode in self.config.shadowed or (drafting and mode != "edge"):
+            raise ValueError(f"a shadow counts with a probed mode's rounds (edge, server; drafting: edge), not {mode!r}")
         for _ in range(replay.rounds):
             self._observe_round_counts(mode, kind, replay.tokens / replay.rounds, replay.drafted / replay.rounds)
+        per_token, nodes = self.edge.fresh_seconds_per_token, self.edge.nodes_per_draft or 1.0
+        if drafting is None or not (drafting.rounds and per_token):
+            return
+        keep, (seconds, drafted) = 1.0 - 1.0 / self.config.round_memory, self.edge_drafting.get(kind, (0.0, 0.0))
+        for _ in range(drafting.rounds):
+            seconds = keep * seconds + drafting.fresh * per_token / drafting.rounds
+            drafted = keep * drafted + drafting.drafted * nodes / drafting.rounds
+        self.edge_drafting[kind] = (seconds, drafted)
 
     def _per_round(self, mode: str, mean_accepted: float, gamma: float, kind: str | None = None) -> None:
         keys = [(self.per_round, mode)] + ([(self.per_round_kind, (mode, kind))] if kind is not None else [])
