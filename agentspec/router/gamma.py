@@ -97,8 +97,8 @@ class DraftLengthPolicy:
     def pipeline_shape(self, gamma_max: int, kind: str = "text", pipelined: bool = True
                        ) -> tuple[int, int | None] | None:
         """What a pipelined edge run drafts now (:meth:`choose`'s picks, none of its state moved): a fresh
-        round's γ, and the tokens a round's flight drafts ahead for the next one (None: not pipelined, or not
-        measured); None before a pass and the drafting are measured."""
+        round's γ, and the tokens a round's flight drafts ahead for the next one (None: not ``pipelined``);
+        None before a pass and the drafting are measured."""
         t_d = self.fresh_seconds_per_token or self.draft_seconds_per_token
         if gamma_max <= 0 or self._t_v(0) is None or t_d <= 0:
             return None
