@@ -81,6 +81,8 @@ def replay_known_next(next_tokens: Sequence[int], tokens: Sequence[int], start: 
     any other round leaves the next to draft ``gamma`` afresh (0: a plain step, whose guess drafts ahead)."""
     if not 1 <= start <= len(tokens):
         raise ValueError(f"need 1 <= start ({start}) <= len(tokens) ({len(tokens)})")
+    if gamma < 0 or (ahead is not None and ahead < 0):
+        raise ValueError(f"draft lengths are counts of tokens: gamma {gamma}, ahead {ahead}")
     out, p, draft, carried = ChainReplay(), start, gamma, False
     while draft > 0 or ahead is not None:
         accepted = 0

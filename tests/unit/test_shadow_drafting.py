@@ -43,6 +43,9 @@ def test_pipelined_rounds_draft_afresh_only_after_a_miss():
     # the round after the first needs the guess after 1: not known, so only the first counts
     assert replay_known_next(CHOICES[:1], TOKENS, 1, 1, ahead=2).rounds == 1
     assert replay_known_next([1, -1] + CHOICES[2:], TOKENS, 1, 1, ahead=2).rounds == 1
+    for gamma, ahead in ((-1, None), (1, -1)):
+        with pytest.raises(ValueError, match="draft lengths"):
+            replay_known_next(CHOICES, TOKENS, 1, gamma, ahead=ahead)
 
 
 def _measured_policy() -> DraftLengthPolicy:
