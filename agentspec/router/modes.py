@@ -197,9 +197,9 @@ class ModePolicy:
 
     def _predicted_in(self, mode: str, kind: str) -> float:
         """Seconds per token of ``mode``'s rounds of ``kind``: the corrected closed form, else the measured EMA."""
-        cost, correction = self.closed_form(mode, kind=kind), self.correction.get(mode, 1.0)
-        cost = self.seconds_per_token.get(mode, 0.0) if cost is None else cost * self.correction_kind.get(
-            (mode, kind), correction)
+        cost = self.closed_form(mode, kind=kind)
+        correction = self.correction_kind.get((mode, kind), self.correction.get(mode, 1.0))
+        cost = self.seconds_per_token.get(mode, 0.0) if cost is None else cost * correction
         if mode == "server" and self.server_waiting > 0:
             cost *= self.config.busy_penalty
         return cost
@@ -319,7 +319,7 @@ class ModePolicy:
         chain: a lower bound where a tree's branches or grammar add). ``drafting``: edge's pipelined rounds
         over that text (``fresh``: tokens drafted on their critical path, at the drafter's seconds per fresh
         token), counted with its rounds' critical-path drafting per node for the same reason."""
-        if mode not in ("edge", "server") or mode in self.config.shadowed or (drafting and mode != "edge"):
+        if mode not in ("edge", "server") or mode in self.config.shadowed or not (drafting is None or mode == "edge"):
             raise ValueError(f"a shadow counts with a probed mode's rounds (edge, server; drafting: edge), not {mode!r}")
         for _ in range(replay.rounds):
             self._observe_round_counts(mode, kind, replay.tokens / replay.rounds, replay.drafted / replay.rounds)
