@@ -188,7 +188,7 @@ class SpecClient:
         seg, t0 = self._segment(run, "vllm"), time.perf_counter()
         try:
             yield from deployment_segment(run, self.deployment, self._deployment, seg,
-                                          min(self._segment_budget(run)[0], run.max_tokens - run.generated))
+                                          min(self._segment_budget(run, "vllm")[0], run.max_tokens - run.generated))
         finally:
             self._segment_done(run, seg, t0)
 
@@ -223,7 +223,7 @@ class SpecClient:
     def _edge_segment(self, run: Run) -> Steps:
         t = yield from self._session(run, "edge")
         seg, t0, edge = self._segment(run, "edge"), time.perf_counter(), self._edge
-        limit, rounds = self._segment_budget(run)
+        limit, rounds = self._segment_budget(run, "edge")
         try:
             while run.finish is None and seg.tokens < limit and (rounds is None or seg.rounds < rounds):
                 body, draft_s, fresh, preview, prop = yield Call(edge.round, None, (run, seg, self.policy))
@@ -247,7 +247,7 @@ class SpecClient:
     def _server_segment(self, run: Run, mode: str) -> Steps:
         t = yield from self._session(run, mode)
         seg, t0 = self._segment(run, mode), time.perf_counter()
-        limit, rounds = self._segment_budget(run)
+        limit, rounds = self._segment_budget(run, mode)
         n = min(limit, run.max_tokens - run.generated)
         body = run.generate_request(mode, n, self.server_drafter, rounds)
         try:
@@ -263,11 +263,11 @@ class SpecClient:
         finally:
             self._segment_done(run, seg, t0)
 
-    def _segment_budget(self, run: Run) -> tuple[int, int | None]:
-        """The segment's most tokens and rounds (None: any): the client's tokens; in auto, the router's
-        (:meth:`ModePolicy.segment_limit`, :meth:`~ModePolicy.segment_rounds`: a probe's are few)."""
-        return ((self.policy.segment_limit(), self.policy.segment_rounds()) if run.mode == "auto"
-                else (self.segment_tokens, None))
+    def _segment_budget(self, run: Run, mode: str) -> tuple[int, int | None]:
+        """A ``mode`` segment's most tokens and rounds (None: any): the client's tokens; in auto, the router's
+        (:meth:`ModePolicy.segment_limit`, :meth:`~ModePolicy.segment_rounds`: a probe's, an opening's are few)."""
+        return ((self.policy.segment_limit(), self.policy.segment_rounds(mode, not run.generated))
+                if run.mode == "auto" else (self.segment_tokens, None))
 
     def _segment(self, run: Run, mode: str) -> SegmentStats:
         return SegmentStats(mode, 0, 0, 0, 0, 0.0, 0.0, 0.0, dict(self.policy.last_predictions), run.kind,

@@ -24,6 +24,7 @@ class ModeConfig:
     probe_margin: float = 0.25
     probe_tokens: int = 8  # a probe segment's most tokens: a losing probe costs these, not a whole segment
     probe_rounds: int = 3  # and its most rounds (passes): a mode that commits a token a pass loses on these
+    opening_rounds: int = 8  # a server segment's most rounds where it opens a message: a call or prose?
     trial_rounds: int = 12  # rounds of trials before a switch is made for good: as many as an estimate rests on
     busy_penalty: float = 1.25
     ema: float = 0.3
@@ -41,6 +42,7 @@ class ModeConfig:
                   "probe_margin must be >= 0": self.probe_margin >= 0.0,
                   "probe_tokens must be >= 1": self.probe_tokens >= 1,
                   "probe_rounds must be >= 1": self.probe_rounds >= 1,
+                  "opening_rounds must be >= 1": self.opening_rounds >= 1,
                   "trial_rounds must be >= 0": self.trial_rounds >= 0,
                   "busy_penalty must be >= 1": self.busy_penalty >= 1.0,
                   "ema must be in (0, 1]": 0.0 < self.ema <= 1.0,

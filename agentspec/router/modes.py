@@ -69,6 +69,7 @@ class ModePolicy:
     correction: dict[str, float] = field(default_factory=dict)  # mode -> measured / predicted, EMA
     correction_kind: dict[tuple[str, str], float] = field(default_factory=dict)  # (mode, kind) -> the same
     measured_kind: dict[tuple[str, str], float] = field(default_factory=dict)  # (mode, kind) -> s/token, EMA
+    last_measured: dict[tuple[str, str], float] = field(default_factory=dict)  # ... its latest segment's
     # (mode, kind or None for all kinds) -> decayed sums of (tokens, drafted, rounds) of its reported rounds
     round_sums: dict[tuple[str, str | None], tuple[float, float, float]] = field(default_factory=dict)
     rtt: float | None = None  # wall − server compute − local drafting, per edge round (EMA)
@@ -91,8 +92,7 @@ class ModePolicy:
 
     def _needs_probes(self, mode: str, kind: str) -> bool:
         """Whether ``mode``'s estimate only stays fresh by running it (no closed form from shared inputs)."""
-        judged_unrun = mode == "server-ar" or mode in self.config.shadowed
-        return not judged_unrun or self.closed_form(mode, kind=kind) is None
+        return not (mode == "server-ar" or mode in self.config.shadowed) or self.closed_form(mode, kind=kind) is None
 
     def choose(self, kind: str = "text", exclude: frozenset[str] = frozenset(), catchup_tokens: int = 0,
                cold: bool = False) -> str:
@@ -146,10 +146,13 @@ class ModePolicy:
             return c.segment_tokens
         return min(c.probe_tokens << min(self.tenure, 16), c.segment_tokens)
 
-    def segment_rounds(self) -> int | None:
-        """The most rounds of the segment :meth:`choose` just picked: a due probe's ``probe_rounds`` (its cost is
-        its passes), else None (its tokens alone limit it). A trial is not cut: its rounds decide a switch."""
-        return self.config.probe_rounds if self.scheduled else None  # scheduled: a due probe is in flight
+    def segment_rounds(self, mode: str | None = None, opening: bool = False) -> int | None:
+        """The most rounds of the ``mode`` segment :meth:`choose` just picked: a due probe's ``probe_rounds`` (its
+        cost is its passes); a server segment's ``opening_rounds`` where it opens a message (``opening``: a call
+        copies at 4 tokens a round, prose may run at one; once its rounds tell which, the mode is chosen again);
+        else None (its tokens alone limit it). A trial is not cut: its rounds decide a switch."""
+        c = self.config  # scheduled: a due probe is in flight
+        return c.probe_rounds if self.scheduled else c.opening_rounds if opening and mode == "server" else None
 
     def _on_older_text(self, pick: str, kind: str) -> bool:
         """Whether switching to ``pick`` would rest on too little or too old text: ``pick`` is judged by its
@@ -160,20 +163,20 @@ class ModePolicy:
         if current is None or pick == current or not self._needs_probes(pick, kind):
             return False
         streak = self.trial_streak.get((pick, kind))
-        if streak is not None and streak < self.config.trial_rounds:
-            return True
-        return self.last_used.get((pick, kind), -1) < self.last_used.get((current, kind), -1)
+        return (streak is not None and streak < self.config.trial_rounds
+                or self.last_used.get((pick, kind), -1) < self.last_used.get((current, kind), -1))
 
     def _lost_trials(self, pick: str, kind: str) -> bool:
-        """Whether ``pick``'s trials in ``kind`` since its last probe there measured it no cheaper than the
-        incumbent (by ``config.hysteresis``, against what the incumbent measured in the kind, as a probe's
-        verdict is, or its prediction where that is dearer: the text has moved on to what it drafts worse):
-        it is then not switched to on its closed form, which can still come out cheaper, until a probe
-        measures it again. The trials alone count: the probe before them often fell on a copyable stretch."""
+        """Whether ``pick``'s trials in ``kind`` since its last probe there measured it no cheaper (by
+        ``config.hysteresis``) than the dearest of the incumbent's EMA there, its latest segment there (the
+        text beside the trials: a message's novel opening is dear in every mode) and its prediction (the text
+        moved on to what it drafts worse): it then waits for its next probe, whatever its closed form says.
+        The trials alone count: the probe before them often fell on a copyable stretch."""
         seconds, tokens = self.trial_cost.get((pick, kind), (0.0, 0))
         if self.current is None or pick == self.current or not tokens:
             return False
-        incumbent = max(self.measured_kind.get((self.current, kind)) or 0.0, self.predicted(self.current, kind))
+        here = (self.current, kind)
+        incumbent = max(self.measured_kind.get(here, 0.0), self.last_measured.get(here, 0.0), self.predicted(*here))
         return seconds / tokens > (1 - self.config.hysteresis) * incumbent
 
     def _probe_after(self, mode: str, kind: str, catchup_tokens: int) -> int:
@@ -185,9 +188,8 @@ class ModePolicy:
     def predicted(self, mode: str, kind: str = "text") -> float:
         """Expected seconds per token of ``mode`` for a segment that starts in ``kind``: for the modes whose
         rounds depend on the text (edge, server), each round kind's estimate (:meth:`_predicted_in`) weighed by
-        its share of the tokens such segments committed (:attr:`kind_mix`). A call's opening segment starts in
-        text, its fence, and goes on in its JSON: priced as prose rounds alone, edge came out at twice what it
-        measured there and lost segments to plain decoding."""
+        its share of the tokens such segments committed (:attr:`kind_mix`). A call's opening segment starts in text,
+        its fence, and goes on in its JSON: priced as prose alone, edge came out at twice what it measured there."""
         mix = self.kind_mix.get(kind)
         # a shadowed mode's figures are replays over whole segments, already of the kinds they went on in
         if not mix or mode not in ("edge", "server") or mode in self.config.shadowed:
@@ -212,8 +214,7 @@ class ModePolicy:
             return self.rtt
         return max(self.rtt + self.rtt_open - self._rtt_open_at_edge, 0.0)
 
-    def closed_form(self, mode: str, per_round: tuple[float, float] | None = None, kind: str = "text"
-                    ) -> float | None:
+    def closed_form(self, mode: str, per_round: tuple[float, float] | None = None, kind: str = "text") -> float | None:
         """design.md's seconds per token of ``mode`` (uncorrected), or None while an input is missing;
         ``per_round``: (E[A], γ̄) to use instead of the mode's current estimate for ``kind``."""
         rtt, segment_tokens = self.network_s(), self.config.segment_tokens
@@ -222,8 +223,7 @@ class ModePolicy:
         if mode == "server-ar":
             t_ar = self.server_costs.seconds(0)
             return None if t_ar is None else costs.streamed_cost(costs.plain_cost(t_ar), rtt, segment_tokens)
-        mean_accepted, gamma = per_round or self.per_round_kind.get((mode, kind)) or self.per_round.get(mode,
-                                                                                                   (0.0, 0.0))
+        mean_accepted, gamma = per_round or self.per_round_kind.get((mode, kind)) or self.per_round.get(mode) or (0, 0)
         t_v = self.server_costs.seconds(gamma)
         if t_v is None or mean_accepted <= 0:
             return None
@@ -237,11 +237,10 @@ class ModePolicy:
         return None
 
     def gamma(self, mode: str, gamma_max: int, kind: str = "text", drafted: int = 0, pipelined: bool = False) -> int:
-        """Draft length for the next edge round (``kind``: the content kind it drafts; ``drafted``: tokens of
-        its draft made ahead; ``pipelined``: the round after it is drafted while it is in flight; see
-        :meth:`DraftLengthPolicy.choose`). An edge probe drafts: where the draft length policy turned
-        drafting off (from a few rounds, say a warm-up's), a probe at γ = 0 would only measure plain steps
-        through edge mode, and edge would never be seen to pay."""
+        """Draft length for the next edge round (``kind``: the content kind it drafts; ``drafted``: tokens of its
+        draft made ahead; ``pipelined``: the round after it is drafted while it is in flight; see
+        :meth:`DraftLengthPolicy.choose`). An edge probe drafts: where the draft length policy turned drafting
+        off (from a few rounds, say a warm-up's), a probe at γ = 0 would only measure plain steps through edge."""
         at_least = 1 if self.probing == "edge" else 0
         return gamma_max if mode != "edge" else self.edge.choose(gamma_max, kind, drafted, at_least, pipelined)
 
@@ -398,3 +397,4 @@ class ModePolicy:
             self.trial_cost[(mode, k)] = (spent + seconds_per_token * tokens, counted + tokens)
         self.seconds_per_token[mode] = ema(self.seconds_per_token.get(mode), seconds_per_token, c.ema)
         self.measured_kind[(mode, k)] = ema(self.measured_kind.get((mode, k)), seconds_per_token, c.ema)
+        self.last_measured[(mode, k)] = seconds_per_token

@@ -148,8 +148,8 @@ class ScriptedProbes(ModePolicy):
         self.probing, self.scheduled = (mode, True) if due else (None, False)
         return mode
 
-    def segment_rounds(self) -> int | None:
-        self.caps.append(super().segment_rounds())
+    def segment_rounds(self, mode=None, opening=False) -> int | None:
+        self.caps.append(super().segment_rounds(mode, opening))
         return self.caps[-1]
 
 
@@ -170,6 +170,21 @@ def test_due_probes_stop_after_their_rounds_and_stay_lossless(server, target, wr
     assert [s.rounds for s in segments[:3]] == [2, 2, 2] and segments[4].rounds == 2
     assert segments[2].tokens == 2  # server-ar: a token a round
     assert segments[3].rounds > 2 or segments[3].tokens == 8  # not cut: its 8 tokens
+
+
+def test_a_server_segment_opening_the_message_stops_after_opening_rounds(server, target, wrong_drafter_model,
+                                                                         reference):
+    """Auto's server segment that opens a message runs at most ``opening_rounds`` rounds (the verifier ends
+    its request), its next server segment is not cut, and the output is plain greedy's."""
+    policy = ScriptedProbes(ModeConfig(opening_rounds=2), [("server", False), ("server", False)])
+    client = SpecClient(server.url, drafter=ModelDrafter(wrong_drafter_model), tokenizer=target.tokenizer,
+                        mode="auto", segment_tokens=8, policy=policy)
+    final = client.generate(MESSAGES, max_tokens=MAX)
+    client.close()
+    assert final.tokens == reference
+    first, second = final.stats.segments[:2]
+    assert policy.caps[:2] == [2, None] and first.rounds == 2 and first.tokens < 8
+    assert second.mode == "server" and (second.rounds > 2 or second.tokens == 8)
 
 
 class ScriptedModes(ModePolicy):

@@ -168,6 +168,58 @@ def test_lost_trials_give_way_once_the_incumbent_is_predicted_dearer_than_they_m
     assert policy.choose(kind="text") == "edge" and policy.probing == "edge"
 
 
+def test_trials_beside_a_novel_opening_are_judged_against_the_incumbent_there():
+    """The agent benchmark's fix_mean at RTT 50 (agent_shadow_drafting_2.json): server ran the tool calls,
+    whose segments open in text and copy well, then opened the prose answer at a token a round (151 ms a
+    token). An edge trial on the tokens after that measured 138: dearer than server's EMA in text (the
+    calls' openings) and than its prediction, so edge waited for its next probe while server wrote the
+    rest of the answer at 113-122 ms a token, where fixed edge ran at 59-85. Against what server measured
+    beside the trial, the trial won; one dearer than that still loses."""
+    policy = _edge_after_server_in_tool_calls()
+    policy.current = "server"
+    for _ in range(3):  # tool calls' openings
+        policy.segments += 1
+        _rounds(policy, "server", [("text", 4, 6, 0.0)] * 4, seg_kind="text")
+    policy.last_used[("server", "text")] = policy.segments = policy.segments + 1
+    _rounds(policy, "server", [("text", 1, 1, 0.0)] * 16, seg_kind="text")  # the answer's novel opening
+    opening = policy.last_measured[("server", "text")]
+    assert opening > 1.5 * policy.measured_kind[("server", "text")]
+    assert policy.choose(kind="text") == "edge" and policy.probing == "edge"  # a trial
+    policy.probing = None
+    beside = 0.9 * opening
+    assert beside > (1 - policy.config.hysteresis) * max(policy.measured_kind[("server", "text")],
+                                                        policy.predicted("server", "text"))  # lost, before
+    policy.trial_cost[("edge", "text")], policy.trial_streak[("edge", "text")] = (8 * beside, 8), 3
+    assert not policy._lost_trials("edge", "text")
+    assert policy.choose(kind="text") == "edge" and policy.probing == "edge"  # trials go on
+    policy.probing = None
+    policy.trial_cost[("edge", "text")] = (8 * 1.1 * opening, 8)
+    assert policy._lost_trials("edge", "text") and policy.choose(kind="text") == "server"
+
+
+def test_a_server_segment_that_opens_a_message_is_cut_after_opening_rounds():
+    """The agent benchmark's fix_mean at RTT 50 (agent_shadow_drafting_2.json): after a tool call that
+    server copied at 5 tokens a round, the answer opened in server mode, where segments starting in text
+    had been calls, and its prose ran 32 tokens in 31 rounds at 151-188 ms a token (fixed edge: 109-118).
+    Server's opening segment stops after ``opening_rounds``, which a call's copies take past a segment's
+    tokens: then the mode is chosen again on prose's rounds. Elsewhere, and in other modes, it is not cut."""
+    policy = _edge_after_server_in_tool_calls()
+    c = policy.config
+    policy.current = "server"
+    assert policy.choose(kind="text") == "server" and policy.probing is None
+    assert policy.segment_rounds("server", opening=True) == c.opening_rounds == 8
+    assert 4 * c.opening_rounds >= c.segment_tokens  # a call's copies are not cut
+    assert policy.segment_rounds("server") is None
+    assert policy.segment_rounds("edge", opening=True) is None is policy.segment_rounds("server-ar", opening=True)
+    policy.scheduled = True  # a due probe keeps its own few rounds
+    assert policy.segment_rounds("server", opening=True) == c.probe_rounds
+    policy.scheduled = False
+    before = policy.predicted("server", "text")
+    _rounds(policy, "server", [("text", 1, 2, 0.0)] * c.opening_rounds, seg_kind="text")  # prose at a token a round
+    assert policy.predicted("server", "text") > 1.3 * before
+    assert policy.choose(kind="text") == "edge"
+
+
 def test_a_switch_starts_with_probe_length_segments_that_double_while_it_holds_up():
     """The agent benchmark's fix_mean at RTT 20: a server probe and trial both won over a call's copyable
     opening; the switch's segment then ran the call's code at a token a round, 32 tokens in 30 rounds. A

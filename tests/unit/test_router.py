@@ -395,6 +395,8 @@ def test_mode_policy_judges_each_round_under_the_kind_it_drafted_in():
         router.ModeConfig(round_memory=0)
     with pytest.raises(ValueError, match="probe_rounds"):
         router.ModeConfig(probe_rounds=0)
+    with pytest.raises(ValueError, match="opening_rounds"):
+        router.ModeConfig(opening_rounds=0)
 
 
 def test_a_segment_is_priced_by_the_kinds_its_start_kind_goes_on_in():
