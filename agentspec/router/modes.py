@@ -150,8 +150,8 @@ class ModePolicy:
         """The most rounds of the ``mode`` segment :meth:`choose` just picked: a due probe's ``probe_rounds`` (its
         cost is its passes); a server segment's ``opening_rounds`` where it opens a message (``opening``: a call
         copies at 4 tokens a round, prose may run at one; once its rounds tell which, the mode is chosen again);
-        else None (its tokens alone limit it). A trial is not cut: its rounds decide a switch."""
-        c = self.config  # scheduled: a due probe is in flight
+        else None, its tokens alone limit it (a trial's too: its rounds decide a switch)."""
+        c = self.config
         return c.probe_rounds if self.scheduled else c.opening_rounds if opening and mode == "server" else None
 
     def _on_older_text(self, pick: str, kind: str) -> bool:
@@ -163,7 +163,7 @@ class ModePolicy:
         if current is None or pick == current or not self._needs_probes(pick, kind):
             return False
         streak = self.trial_streak.get((pick, kind))
-        return (streak is not None and streak < self.config.trial_rounds
+        return ((streak is not None and streak < self.config.trial_rounds)
                 or self.last_used.get((pick, kind), -1) < self.last_used.get((current, kind), -1))
 
     def _lost_trials(self, pick: str, kind: str) -> bool:
