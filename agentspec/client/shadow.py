@@ -9,13 +9,13 @@ in hand instead of resting on the last probe, or on a warm-up call's prose.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from agentspec.client.events import SegmentStats
 from agentspec.client.run import Run
 from agentspec.drafters import make_drafter
-from agentspec.drafters.base import Drafter, known_next
+from agentspec.drafters.base import DraftContext, Drafter, known_next
 from agentspec.drafters.copy import CopyDrafter, SuffixIndex
 from agentspec.drafters.replay import replay_chain, replay_known_next, shadow_replays
 from agentspec.router import ModePolicy
@@ -43,11 +43,13 @@ def shadow_segment(run: Run, seg: SegmentStats, policy: ModePolicy, shadows: Map
     server's over the segment (``server_copy``: a chain of the copy drafts the verifier makes in prose, None
     when the server drafts otherwise). Greedy only (a sampled answer is not the greedy path a replay
     follows), and a mode's own segments speak for themselves. Kinds are kept apart: prose before any call
-    counts as text; a segment that starts and ends inside a call's JSON counts for edge as tool (a lower
-    bound: its grammar and copies add to the model's chain), its own tokens only; a segment that crosses
-    from one into the other counts for neither, as a call opens in text. Over prose, edge's critical-path
-    drafting is replayed too, as its rounds would draft now (``pipelined``: drafting each round's successor
-    while it is in flight, as the client does): the γ and the tokens ahead its draft length policy picks."""
+    counts as text; a segment that starts and ends inside a call's JSON counts for edge as tool, its own
+    tokens only, with the spans its tool drafter's grammar forces ahead of the model's chain (a lower bound
+    still: its copies and sibling leaves add); a segment that crosses from one into the other counts for
+    neither, as a call opens in text. Edge's critical-path drafting is replayed too, inside JSON where a
+    grammar drafts the spans, and over prose as its rounds would draft now (``pipelined``: drafting each
+    round's successor while it is in flight, as the client does): the γ and the tokens ahead its draft length
+    policy picks."""
     config = policy.config
     start = len(run.tokens) - seg.tokens
     policy.observe_replays(shadow_replays({m: d for m, d in (shadows or {}).items() if m in config.shadowed},
@@ -68,12 +70,29 @@ def shadow_segment(run: Run, seg: SegmentStats, policy: ModePolicy, shadows: Map
     start = max(run.shadowed_to, len(run.prompt) if prose else start, 1)
     if start >= len(run.tokens):
         return
-    choices = known_next(run.drafter, run.tokens)
-    replay = replay_known_next(choices, run.tokens, start, config.gamma_max)
+    choices, forced = known_next(run.drafter, run.tokens), None if prose else grammar_spans(run)
+    replay = replay_known_next(choices, run.tokens, start, config.gamma_max, forced=forced)
     if replay.rounds:
         run.shadowed_to = start + replay.tokens
-        # a call's JSON is drafted by a tree whose grammar and copies cost little: the model chain's drafting
-        # would overstate it, so only prose's is replayed
+        # a call's JSON is drafted by a tree whose grammar spans cost no drafting: the model chain's alone
+        # would overstate it, so it is replayed only with them
         shape = policy.edge.pipeline_shape(config.gamma_max, seg.kind, pipelined) if prose else None
-        drafting = None if shape is None else replay_known_next(choices, run.tokens, start, *shape)
+        drafting = replay if forced is not None else None
+        if shape is not None:
+            drafting = replay_known_next(choices, run.tokens, start, *shape)
         policy.observe_shadow("edge", replay, kind=seg.kind, drafting=drafting)
+
+
+def grammar_spans(run: Run) -> Callable[[int], list[int]] | None:
+    """The spans the grammar of ``run``'s tool drafter forces after ``run.tokens[:p]``, as its rounds draft
+    them (at most ``max_forced``), for edge's shadow inside a call (None: the drafter has no grammar).
+    The grammar follows any tokens it is given: the next round's draft re-follows the committed ones."""
+    grammar, most = getattr(run.drafter, "grammar", None), getattr(run.drafter, "max_forced", None)
+    if grammar is None:
+        return None
+
+    def spans(p: int) -> list[int]:
+        ctx = DraftContext(run.tokens[:p], len(run.prompt), run.sampling, tools=run.tools,
+                           tool_choice=run.tool_choice, response_format=run.response_format)
+        return grammar.forced(ctx)[:most]
+    return spans

@@ -8,9 +8,9 @@ them to :meth:`agentspec.router.ModePolicy.observe_replays`.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from agentspec.drafters.base import DraftContext, Drafter
+from agentspec.drafters.base import DraftContext, Drafter, common_prefix
 from agentspec.router.estimators import ChainReplay
 
 
@@ -68,7 +68,8 @@ def shadow_replays(shadows: Mapping[str, Drafter], tokens: Sequence[int], prompt
 
 
 def replay_known_next(next_tokens: Sequence[int], tokens: Sequence[int], start: int, gamma: int,
-                      ahead: int | None = None) -> ChainReplay:
+                      ahead: int | None = None, forced: Callable[[int], Sequence[int]] | None = None
+                      ) -> ChainReplay:
     """A greedy chain drafter's rounds over ``tokens[start:]`` from its teacher-forced choices, with no
     drafting: ``next_tokens[i]`` is its greedy token after ``tokens[:i + 1]`` (-1: not known). Its chain
     follows the committed text while it matches, so a round accepts the run of positions where its choice is
@@ -78,15 +79,24 @@ def replay_known_next(next_tokens: Sequence[int], tokens: Sequence[int], start: 
     Every round drafts ``gamma`` on its critical path (``fresh``), unless ``ahead`` is given: then the
     rounds are pipelined as an edge client's are, and a round whose whole draft was taken and whose guess of
     the target's next token came true hands the next round ``ahead`` tokens drafted in flight (not fresh);
-    any other round leaves the next to draft ``gamma`` afresh (0: a plain step, whose guess drafts ahead)."""
+    any other round leaves the next to draft ``gamma`` afresh (0: a plain step, whose guess drafts ahead).
+
+    ``forced``: a tool drafter's grammar (the tokens it forces after ``tokens[:p]``): each round drafts that
+    span free ahead of the chain (in ``drafted``, not ``fresh``) and takes it while it matches the committed
+    text; the chain's ``gamma`` follow it, taken only after the whole span. Not with ``ahead``: a tool
+    drafter's rounds are trees, which are not drafted ahead."""
     if not 1 <= start <= len(tokens):
         raise ValueError(f"need 1 <= start ({start}) <= len(tokens) ({len(tokens)})")
     if gamma < 0 or (ahead is not None and ahead < 0):
         raise ValueError(f"draft lengths are counts of tokens: gamma {gamma}, ahead {ahead}")
+    if ahead is not None and forced is not None:
+        raise ValueError("forced spans are a tool drafter's, whose trees are not drafted ahead: not with ahead")
     out, p, draft, carried = ChainReplay(), start, gamma, False
-    while draft > 0 or ahead is not None:
-        accepted = 0
-        while accepted < draft and p + accepted < len(tokens):
+    while draft > 0 or ahead is not None or forced is not None:
+        span = list(forced(p)) if forced is not None else []
+        accepted = common_prefix(span, list(tokens[p : p + len(span)]))
+        limit = accepted + draft if accepted == len(span) else accepted  # a span the target left ends the round
+        while accepted < limit and p + accepted < len(tokens):
             i = p - 1 + accepted
             if i >= len(next_tokens) or next_tokens[i] < 0:
                 return out  # not known: a partial round would overstate the mismatch
@@ -96,7 +106,7 @@ def replay_known_next(next_tokens: Sequence[int], tokens: Sequence[int], start: 
         if p + accepted >= len(tokens):
             return out  # the round goes on past the text in hand
         out.rounds += 1
-        out.drafted += draft
+        out.drafted += len(span) + draft
         out.fresh += 0 if carried else draft
         out.accepted += accepted
         out.tokens += accepted + 1

@@ -15,10 +15,13 @@ from agentspec.client.shadow import shadow_segment
 from agentspec.drafters import ModelDrafter
 from agentspec.drafters.base import DraftContext, catch_up, known_next
 from agentspec.drafters.copy import CopyDrafter
+from agentspec.drafters.grammar import GrammarDrafter
 from agentspec.drafters.replay import replay_chain, replay_known_next
-from agentspec.drafters.tree import default_drafter
+from agentspec.drafters.tree import TreeDrafter, default_drafter
+from agentspec.models.loading import LoadedModel
 from agentspec.types import SamplingParams
-from tests.helpers import make_prompt, plain_greedy
+from tests.helpers import make_prompt, plain_greedy, tiny_model
+from tests.unit.test_tool_drafting import BYTE_TOK, CALL, TOOLS
 
 
 def test_replay_known_next_counts_whole_rounds_only():
@@ -35,6 +38,25 @@ def test_replay_known_next_counts_whole_rounds_only():
     assert replay_known_next(nxt, tokens, 1, gamma=0).rounds == 0
     with pytest.raises(ValueError, match="start"):
         replay_known_next(nxt, tokens, 0, gamma=3)
+
+
+def test_replay_known_next_takes_grammar_spans_free_ahead_of_the_chain():
+    """A tool drafter's rounds: the grammar's span (drafted, not fresh) taken while it matches, the model's
+    chain after a span taken whole; a span the target left ends what the round takes."""
+    tokens = [9, 1, 2, 3, 4, 5, 6, 7, 8]
+    wrong = [0] * 8  # the model never right: what is taken is the grammar's
+    spans = {1: [1, 2], 4: [4, 0]}
+    r = replay_known_next(wrong, tokens, 1, gamma=2, forced=lambda p: spans.get(p, []))
+    # at 1: span 1 2 taken, chain wrong at 3 -> commits 1 2 3; at 4: span left at 0 -> commits 4 5;
+    # then plain steps at 6, 7, 8 (the last one's round ends the text: counted, the next is not there)
+    assert (r.rounds, r.tokens, r.accepted, r.drafted, r.fresh) == (5, 8, 3, 14, 10)
+    right = [1, 2, 3, 4, 5, 6, 7, 8]
+    chain = replay_known_next(right, tokens, 1, gamma=2)  # 1 2 +3, 4 5 +6, then past the text
+    with_spans = replay_known_next(right, tokens, 1, gamma=2, forced=lambda p: spans.get(p, []))
+    assert (chain.rounds, chain.tokens) == (2, 6) and (with_spans.rounds, with_spans.tokens) == (2, 8)
+    assert (with_spans.drafted, with_spans.fresh) == (6, 4)  # 1 2 | 3 4 +5, then 6 7 +8
+    with pytest.raises(ValueError, match="ahead"):
+        replay_known_next(right, tokens, 1, gamma=2, ahead=2, forced=lambda p: [])
 
 
 @pytest.mark.parametrize("tree", [False, True])
@@ -161,3 +183,31 @@ def test_a_segment_inside_a_calls_json_moves_edges_tool_estimate_and_one_that_op
     assert tokens_per_round == pytest.approx(5.0) and gamma == pytest.approx(4.0)
     assert policy.round_sums[("edge", "tool")][2] == pytest.approx(1 + (1 - 1 / 12))  # two rounds of its 12
     assert ("edge", "text") not in policy.round_sums
+
+
+def test_edges_shadow_inside_a_call_takes_its_tool_drafters_grammar_spans():
+    """Inside a call's JSON, edge's shadow replays its tool drafter's rounds: the grammar's forced spans,
+    drafted free, ahead of the model's chain. A random model's choices are all but never right: its chain
+    alone takes nothing, where the spans take the call's keys and punctuation; and the drafting replayed
+    is cheaper per node than the model's fresh tokens, as the spans cost no pass."""
+    base = tiny_model(seed=5, vocab=len(BYTE_TOK))
+    target = LoadedModel(base.model, BYTE_TOK, "tiny-bytes", base.device, base.dtype)
+    prompt = BYTE_TOK("<user>weather in Paris?\n<assistant>", add_special_tokens=False)["input_ids"]
+    answer = BYTE_TOK(CALL, add_special_tokens=False)["input_ids"]
+    estimates = {}
+    for grammar in (False, True):
+        model = ModelDrafter(target)
+        drafter = TreeDrafter(GrammarDrafter(BYTE_TOK, max_forced=64), None, model, max_forced=64) if grammar else model
+        run = Run([{"role": "user", "content": "hi"}], TOOLS, 256, SamplingParams(), [], "auto", drafter,
+                  response_format={"type": "json_object"})
+        run.prompt, run.tokens = prompt, prompt + answer
+        catch_up(drafter, run.tokens, next_from=len(prompt) - 1)
+        policy = router.ModePolicy(router.ModeConfig(segment_tokens=64, gamma_max=4))
+        policy.edge.fresh_seconds_per_token = 0.01
+        shadow_segment(run, SegmentStats("server", len(answer) - 11, 6, 0, 0, 1.0, 0.9, 0.0, {}, "tool"), policy)
+        estimates[grammar] = policy.per_round_kind[("edge", "tool")], policy.edge_drafting.get("tool")
+    (chain_tokens, chain_gamma), chain_drafting = estimates[False]
+    (tokens, gamma), (seconds, nodes) = estimates[True]
+    assert chain_tokens == pytest.approx(1.0) and chain_gamma == pytest.approx(4.0) and chain_drafting is None
+    assert tokens > 4.0 and gamma > 4.0  # spans ride on top of γ
+    assert 0 < seconds / nodes < 0.01
