@@ -21,16 +21,14 @@ class ModePolicy:
     """Picks the mode of the next segment of a request (design.md's modes) from the closed forms.
 
     Inputs, all measured online: ``t_v(γ)`` (a :class:`LinearCost` over every reported pass) and ``t_ds`` from
-    the server's timings; ``t_d`` per node (the closed form's γ̄ counts a tree's nodes) from edge rounds'
-    critical-path drafting per kind, and from its pipelined rounds replayed over text other modes committed
-    (a cold first round's is the price of entering edge); RTT from edge rounds (wall − server compute) and
-    session opens; ``E[A]`` and ``γ̄`` per mode and content kind (``"tool"``/``"text"``) from **shadow
-    replays** (:meth:`observe_replays`), so every mode is judged on the *same* text, or from the mode's own
-    rounds with its chain replayed over text other modes committed (:meth:`observe_shadow`). Each round
-    counts under its kind (``"tool"`` where it drafted or committed inside JSON: a call's opening fence and
-    brace are as copyable as its arguments), as ratios of sums decayed over ``config.round_memory`` rounds.
-    A correction per mode and kind (EMA of measured / closed-form seconds per segment) absorbs what the
-    closed forms leave out (edge's grammar-cut trees inside a call).
+    the server's timings; ``t_d`` per node (γ̄ counts a tree's nodes) from edge rounds' critical-path drafting
+    per kind, and from its rounds replayed over text other modes committed (a cold first round's is the price
+    of entering edge); RTT from edge rounds (wall − server compute) and session opens; ``E[A]`` and ``γ̄`` per
+    mode and content kind (``"tool"``/``"text"``) from **shadow replays** (:meth:`observe_replays`: every
+    mode judged on the *same* text), or from the mode's own rounds and its drafters replayed over text other
+    modes committed (:meth:`observe_shadow`). Each round counts under its kind (``"tool"`` where it drafted
+    or committed inside JSON), as ratios of sums decayed over ``config.round_memory`` rounds. A correction
+    per mode and kind (EMA of measured / closed-form seconds per segment) absorbs what the closed forms leave out.
 
     Until a mode's inputs exist its measured seconds per token stands in; a mode never run is tried first.
     Modes judged without running them (shadowed, or server-ar) are never probed; the others every
@@ -56,6 +54,7 @@ class ModePolicy:
     probe_interval: dict[tuple[str, str], int] = field(default_factory=dict)  # (mode, kind); backs off on losses
     probing: str | None = None  # the mode of the segment in flight, when it is a probe
     scheduled: bool = False  # the segment in flight is a probe that was due (not a trial of a switch)
+    trial_left: int | None = None  # the rounds a trial in flight may run (None: a probe's tokens)
     # (mode, kind) -> rounds of the trials since its last probe there (None: its last run was a whole segment)
     trial_streak: dict[tuple[str, str], int | None] = field(default_factory=dict)
     # (mode, kind) -> (seconds, tokens) of its trials there since its last probe or whole segment there
@@ -115,7 +114,7 @@ class ModePolicy:
                and self.segments - self.last_used.get((m, kind), 0) >= self._probe_after(m, kind, catchup_tokens)]
         if self.segments - self.last_probe < c.probe_every:
             due = []  # at most one probe every probe_every segments, whatever the number of modes
-        self.probing, self.scheduled = None, False
+        self.probing, self.scheduled, self.trial_left = None, False, None
         if untried:
             pick = untried[0]
         elif due and self.current is not None:
@@ -126,8 +125,12 @@ class ModePolicy:
             if self.current in predicted and (predicted[pick] > (1 - c.hysteresis) * predicted[self.current]
                                               or self._lost_trials(pick, kind)):
                 pick = self.current
-            if self._on_older_text(pick, kind):
-                self.probing = pick  # a trial: the incumbent stays current until the challenger's rounds agree
+            if self._on_older_text(pick, kind):  # a trial: the incumbent stays current until its rounds agree
+                # once trials measured it cheaper, the rest of trial_rounds run as one segment (short ones pay a
+                # request and a cold first round each; one that loses still reverts); the first, probe_tokens
+                self.probing, streak = pick, self.trial_streak.get((pick, kind)) or 0
+                tried = self.trial_cost.get((pick, kind), (0.0, 0))[1]
+                self.trial_left = max(c.trial_rounds - streak, 0) if tried else None
             else:
                 switched = self.current not in (None, pick)
                 self.tenure = 0 if switched else None if self.tenure is None else self.tenure + 1
@@ -136,33 +139,32 @@ class ModePolicy:
         return pick
 
     def segment_limit(self) -> int:
-        """The most tokens of the segment :meth:`choose` just picked: a probe's ``probe_tokens``, and so a
-        switch's first segment's, doubling per segment the new mode stays current up to ``segment_tokens``:
-        a switch won on a copyable stretch (a call's opening) is judged again after a probe's tokens."""
+        """The most tokens of the segment :meth:`choose` just picked: a probe's ``probe_tokens`` (a first trial's;
+        later ones, ``segment_tokens`` in their rounds left), and so a switch's first segment's, doubling per
+        segment it stays current up to ``segment_tokens``: a switch won on a copyable stretch is judged again."""
         c = self.config
         if self.probing is not None:
-            return min(c.probe_tokens, c.segment_tokens)
+            return c.segment_tokens if self.trial_left else min(c.probe_tokens, c.segment_tokens)
         if self.tenure is None:
             return c.segment_tokens
         return min(c.probe_tokens << min(self.tenure, 16), c.segment_tokens)
 
     def segment_rounds(self, mode: str | None = None, opening: bool = False) -> int | None:
         """The most rounds of the ``mode`` segment :meth:`choose` just picked: a due probe's ``probe_rounds`` (its
-        cost is its passes); a server segment's ``opening_rounds`` where it opens a message (``opening``: a call
-        copies at 4 tokens a round, prose may run at one; once its rounds tell which, the mode is chosen again);
-        else None, its tokens alone limit it (a trial's too: its rounds decide a switch)."""
-        c = self.config
-        return c.probe_rounds if self.scheduled else c.opening_rounds if opening and mode == "server" else None
+        cost is its passes); a trial's rounds left of ``trial_rounds``; a server segment's ``opening_rounds``
+        where it opens a message (``opening``: a call copies at 4 tokens a round, prose may run at one; once
+        its rounds tell which, the mode is chosen again); else None, its tokens alone limit it."""
+        caps = (self.trial_left, self.config.opening_rounds if opening and mode == "server" else None)
+        return self.config.probe_rounds if self.scheduled else min((r for r in caps if r), default=None)
 
     def _on_older_text(self, pick: str, kind: str) -> bool:
         """Whether switching to ``pick`` would rest on too little or too old text: ``pick`` is judged by its
         own runs and either last ran in ``kind`` before the incumbent did, or its newest runs there were a
         probe and trials of fewer than ``config.trial_rounds`` rounds (maybe all a copyable stretch: an id, a
-        call's opening). Such a switch runs as probe-length trials first, whose rounds decide."""
-        current = self.current
+        call's opening). Such a switch runs as trials first, whose rounds decide."""
+        current, streak = self.current, self.trial_streak.get((pick, kind))
         if current is None or pick == current or not self._needs_probes(pick, kind):
             return False
-        streak = self.trial_streak.get((pick, kind))
         return ((streak is not None and streak < self.config.trial_rounds)
                 or self.last_used.get((pick, kind), -1) < self.last_used.get((current, kind), -1))
 
@@ -188,8 +190,8 @@ class ModePolicy:
     def predicted(self, mode: str, kind: str = "text") -> float:
         """Expected seconds per token of ``mode`` for a segment that starts in ``kind``: for the modes whose
         rounds depend on the text (edge, server), each round kind's estimate (:meth:`_predicted_in`) weighed by
-        its share of the tokens such segments committed (:attr:`kind_mix`). A call's opening segment starts in text,
-        its fence, and goes on in its JSON: priced as prose alone, edge came out at twice what it measured there."""
+        its share of the tokens such segments committed (:attr:`kind_mix`): a call's opening segment starts in
+        text, its fence, and goes on in its JSON (priced as prose alone, edge came out at twice its measure)."""
         mix = self.kind_mix.get(kind)
         # a shadowed mode's figures are replays over whole segments, already of the kinds they went on in
         if not mix or mode not in ("edge", "server") or mode in self.config.shadowed:
@@ -238,9 +240,8 @@ class ModePolicy:
 
     def gamma(self, mode: str, gamma_max: int, kind: str = "text", drafted: int = 0, pipelined: bool = False) -> int:
         """Draft length for the next edge round (``kind``: the content kind it drafts; ``drafted``: tokens of its
-        draft made ahead; ``pipelined``: the round after it is drafted while it is in flight; see
-        :meth:`DraftLengthPolicy.choose`). An edge probe drafts: where the draft length policy turned drafting
-        off (from a few rounds, say a warm-up's), a probe at γ = 0 would only measure plain steps through edge."""
+        draft made ahead; ``pipelined``: its successor is drafted while it is in flight; see
+        :meth:`DraftLengthPolicy.choose`); at least 1 in an edge probe: at γ = 0 it would time plain steps."""
         at_least = 1 if self.probing == "edge" else 0
         return gamma_max if mode != "edge" else self.edge.choose(gamma_max, kind, drafted, at_least, pipelined)
 
@@ -388,9 +389,8 @@ class ModePolicy:
         if mode != self.probing:
             self.trial_streak[(mode, k)] = None
             self.trial_cost.pop((mode, k), None)
-        elif self.scheduled:
-            self.trial_streak[(mode, k)] = 0  # a probe alone never switches: a trial follows
-            self.trial_cost[(mode, k)] = (0.0, 0)
+        elif self.scheduled:  # a probe alone never switches: a trial follows
+            self.trial_streak[(mode, k)], self.trial_cost[(mode, k)] = 0, (0.0, 0)
         else:
             self.trial_streak[(mode, k)] = (self.trial_streak.get((mode, k)) or 0) + (rounds or tokens)
             spent, counted = self.trial_cost.get((mode, k), (0.0, 0))

@@ -220,6 +220,29 @@ def test_a_server_segment_that_opens_a_message_is_cut_after_opening_rounds():
     assert policy.choose(kind="text") == "edge"
 
 
+def test_trials_after_a_winning_one_run_the_rounds_left_as_one_segment():
+    """The agent benchmark's fix_mean at RTT 0: edge, predicted a quarter cheaper, ran its trials as seven
+    segments of 8-13 tokens, five of them at 108-177 ms a token, where fixed edge's whole segments ran at
+    61-132 (each short one pays a request and a cold first round). The first trial is probe-length; once
+    trials measured the challenger cheaper, the rest of ``trial_rounds`` runs as one segment."""
+    policy = _edge_after_server_in_tool_calls()
+    c = policy.config
+    assert policy.choose(kind="tool") == "server" and policy.probing == "server"
+    assert (policy.segment_limit(), policy.segment_rounds()) == (c.probe_tokens, None)  # the first trial
+    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
+    assert policy.choose(kind="tool") == "server" and policy.probing == "server" and policy.current == "edge"
+    assert (policy.segment_limit(), policy.segment_rounds()) == (c.segment_tokens, c.trial_rounds - 2)
+    assert policy.segment_rounds("server", opening=True) == min(c.trial_rounds - 2, c.opening_rounds)
+    _rounds(policy, "server", [("tool", 4, 6, 0.0)] * (c.trial_rounds - 2), seg_kind="tool")
+    assert policy.choose(kind="tool") == "server" and policy.probing is None and policy.current == "server"
+    losing = _edge_after_server_in_tool_calls()
+    losing.choose(kind="tool")
+    _rounds(losing, "server", [("tool", 4, 6, 0.0)] * 2, seg_kind="tool")
+    assert losing.choose(kind="tool") == "server" and losing.segment_rounds() == c.trial_rounds - 2
+    _rounds(losing, "server", [("tool", 1, 6, 0.0)] * (c.trial_rounds - 2), seg_kind="tool")  # no copies
+    assert losing.choose(kind="tool") == "edge" and losing.current == "edge"  # it still reverts
+
+
 def test_a_switch_starts_with_probe_length_segments_that_double_while_it_holds_up():
     """The agent benchmark's fix_mean at RTT 20: a server probe and trial both won over a call's copyable
     opening; the switch's segment then ran the call's code at a token a round, 32 tokens in 30 rounds. A
