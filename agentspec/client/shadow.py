@@ -77,9 +77,8 @@ def shadow_segment(run: Run, seg: SegmentStats, policy: ModePolicy, shadows: Map
         # a call's JSON is drafted by a tree whose grammar spans cost no drafting: the model chain's alone
         # would overstate it, so it is replayed only with them
         shape = policy.edge.pipeline_shape(config.gamma_max, seg.kind, pipelined) if prose else None
-        drafting = replay if forced is not None else None
-        if shape is not None:
-            drafting = replay_known_next(choices, run.tokens, start, *shape)
+        drafting = replay_known_next(choices, run.tokens, start, *shape) if shape is not None else (
+            replay if forced is not None else None)
         policy.observe_shadow("edge", replay, kind=seg.kind, drafting=drafting)
 
 
