@@ -86,11 +86,16 @@ class ToolCallParser:
 
     @property
     def in_structure(self) -> bool:
-        """Whether the text fed so far ends inside a tool call (an open block, or an answer that is one
-        bare JSON value): what comes next is JSON, not prose."""
+        """Whether the text fed so far ends inside a tool call (an open ``<tool_call>`` block, a fence whose
+        body can still be a call's JSON, or an answer that is one bare JSON value): what comes next is JSON,
+        not prose. A fence of code (```python) is held back until it closes all the same, but it is prose
+        to the router: no call is written in it."""
         if not self.tools_enabled:
             return False
-        return bool(self._bare) or (bool(self._buf) and _first_marker(self._buf)[0] == 0)
+        if self._bare:
+            return True
+        start, marker = _first_marker(self._buf)
+        return start == 0 and (marker == OPEN_TAG or _may_be_call(self._buf[len(marker) :]))
 
     def feed(self, text: str) -> list[ParseEvent]:
         """Events made final by ``text`` (appended to everything fed so far)."""
@@ -215,6 +220,17 @@ def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                            for p, k in zip(parts, kinds, strict=True) if k == "text")}
         out.append(m)
     return out
+
+
+def _may_be_call(body: str) -> bool:
+    """Whether a fence's body so far can still be a call, as :func:`_parse_calls` reads one: an optional
+    ``json`` tag, then a JSON object or array."""
+    body = body.lstrip()
+    if "json".startswith(body):  # empty, or the tag not yet whole
+        return True
+    if body.startswith("json"):
+        body = body[4:].lstrip()
+    return not body or body[0] in "{["
 
 
 def _first_marker(buf: str) -> tuple[int | None, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,3 +86,24 @@ def test_in_structure_follows_the_committed_text():
     off = ToolCallParser(tools_enabled=False)
     off.feed("<tool_call>{")
     assert not off.in_structure
+
+
+@pytest.mark.parametrize("chunks,inside", [
+    (["Here it is:\n```", "json", "\n{", '"name"'], [True, True, True, True]),
+    (["```", "\n", "[", "{"], [True, True, True, True]),
+    (["```", "py", "thon\n", "def f():"], [True, False, False, False]),
+    (["```", "js", "on5\n{"], [True, True, False]),
+    (["```json\n", "Not JSON"], [True, False]),
+    (["```", "\n", "def f():"], [True, True, False]),
+])
+def test_a_fence_is_structure_while_its_body_can_be_a_call(chunks, inside):
+    """A fence counts as a call's JSON (the router's "tool" kind) while its body can still parse as one: a
+    fence of code in an answer (a corrected file) is prose to the router, though held back until it closes."""
+    p, seen, events = ToolCallParser(), [], []
+    for c in chunks:
+        events += p.feed(c)
+        seen.append(p.in_structure)
+    assert seen == inside
+    events += p.feed("\n```") + p.finish()  # none parses as a call: all of it comes out as the text it was
+    assert all(e.call is None for e in events)
+    assert "".join(e.text for e in events) == "".join(chunks) + "\n```"
