@@ -44,6 +44,13 @@ def test_agentspec_attention_is_sdpa_bit_for_bit(dtype):
     torch.testing.assert_close(ours[-1], stock[-1], atol=1e-5, rtol=1e-5)
 
 
+def _fp32_gemm_rows_are_independent() -> bool:
+    """Whether this CPU's fp32 matrix product gives a row the same bits alone as among others."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(6, 128, generator=g), torch.randn(128, 46, generator=g)
+    return torch.equal(a[-1:] @ b, (a @ b)[-1:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("context", [40, 1500])
 def test_a_one_token_step_attends_as_the_last_row_of_a_longer_pass(dtype, context):
@@ -58,7 +65,12 @@ def test_a_one_token_step_attends_as_the_last_row_of_a_longer_pass(dtype, contex
     mask, _ = tree_attention([-1, 0, 1, 2, 3, 4], context, 0, dtype, "cpu")
     chain = _grouped_rows(q, k, v, mask, 0.0, None)
     step = _grouped_rows(q[:, :, -1:], k, v, None, 0.0, None)
-    assert torch.equal(step[:, 0], chain[:, -1])
+    if dtype == torch.float32 and not _fp32_gemm_rows_are_independent():
+        # MKL on Intel CPUs multiplies one row (a gemv) in another order than a row of a longer product: no
+        # attention kernel over it can give a step the bits of a pass's row; only rounding may differ
+        torch.testing.assert_close(step[:, 0], chain[:, -1], atol=1e-6, rtol=1e-5)
+    else:
+        assert torch.equal(step[:, 0], chain[:, -1])
     routed, _ = _attention(SimpleNamespace(num_key_value_groups=6, layer_idx=0), q[:, :, -1:], k, v, None)
     assert torch.equal(routed, step)  # a decode step (no mask) runs grouped rows
     if dtype == torch.float32:
