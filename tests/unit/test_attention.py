@@ -66,8 +66,8 @@ def test_a_one_token_step_attends_as_the_last_row_of_a_longer_pass(dtype, contex
     chain = _grouped_rows(q, k, v, mask, 0.0, None)
     step = _grouped_rows(q[:, :, -1:], k, v, None, 0.0, None)
     if dtype == torch.float32 and not _fp32_gemm_rows_are_independent():
-        # MKL on Intel CPUs multiplies one row (a gemv) in another order than a row of a longer product: no
-        # attention kernel over it can give a step the bits of a pass's row; only rounding may differ
+        # MKL on Intel CPUs sums a product of few rows (under 16) in another order than a row of a longer
+        # one: a one-row step over it does not get a pass row's bits; only rounding may differ
         torch.testing.assert_close(step[:, 0], chain[:, -1], atol=1e-6, rtol=1e-5)
     else:
         assert torch.equal(step[:, 0], chain[:, -1])
