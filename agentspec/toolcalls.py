@@ -65,12 +65,14 @@ def calls_from_json(obj: Any) -> list[ToolCall] | None:
     return calls or None
 
 
+def _untagged(body: str) -> str:
+    """A fence's body after its optional ``json`` tag."""
+    return body[4:] if body.startswith("json") else body
+
+
 def _parse_calls(text: str) -> list[ToolCall] | None:
-    body = text.strip()
-    if body.startswith("json"):
-        body = body[4:]
     try:
-        return calls_from_json(json.loads(body))
+        return calls_from_json(json.loads(_untagged(text.strip())))
     except ValueError:
         return None
 
@@ -228,8 +230,7 @@ def _may_be_call(body: str) -> bool:
     body = body.lstrip()
     if "json".startswith(body):  # empty, or the tag not yet whole
         return True
-    if body.startswith("json"):
-        body = body[4:].lstrip()
+    body = _untagged(body).lstrip()
     return not body or body[0] in "{["
 
 
