@@ -328,6 +328,7 @@ class SessionInfo(BaseModel):
     committed_len: int
     reused_tokens: int = 0
     prefill_ms: float = 0.0
+    server_ms: float = 0.0  # the server's whole time on the open (rendering, grammar, prefill): not the link's
     vocab_size: int
     max_draft_tokens: int
     # the most draft tokens a round carries at the verifier's flat cost (one more costs a step: flat_pass_len)

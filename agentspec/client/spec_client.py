@@ -217,7 +217,7 @@ class SpecClient:
             info = SessionInfo.model_validate(reply.body)
             run.opened(info)
             self._edge.last_prompt = run.prompt
-            self.policy.observe_open(reply.wall_s, info.prefill_ms / 1e3)
+            self.policy.observe_open(reply.wall_s, max(info.server_ms, info.prefill_ms) / 1e3)  # older: prefill
         return t
 
     def _edge_segment(self, run: Run) -> Steps:

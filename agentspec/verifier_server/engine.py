@@ -124,6 +124,7 @@ class VerifierEngine:
                                 param="messages") from e
 
     async def open_session(self, req: OpenSession, owner: str) -> SessionInfo:
+        start = time.perf_counter()
         ids = req.prompt_ids if req.prompt_ids is not None else self.render(req.messages, req.tools,
                                                                              req.add_generation_prompt)
         bad = [t for t in ids if t >= self.vocab_size]
@@ -147,7 +148,7 @@ class VerifierEngine:
         if self.metrics:
             self.metrics.prompt_tokens(len(ids) - reused, reused)
         return self.info(session, reused_tokens=reused, prefill_ms=(time.perf_counter() - t0) * 1e3,
-                         model=req.model or self.config.served_model_name)
+                         server_ms=(time.perf_counter() - start) * 1e3, model=req.model or self.config.served_model_name)
 
     def _constraint(self, req: OpenSession, stops: frozenset[int], answer: list[int]) -> Constraint | None:
         """The grammar a session's answers are decoded under (None: unconstrained); a 400 if it cannot be."""

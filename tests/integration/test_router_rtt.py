@@ -87,3 +87,20 @@ def test_delay_proxy_adds_the_round_trip(setup):
         t0 = time.perf_counter()
         assert c.get("/health").status_code == 200
         assert 0.1 <= time.perf_counter() - t0 < 0.5
+
+
+def test_a_session_opens_rendering_and_grammar_are_server_time_not_the_links(setup):
+    """The router takes the round trip from session opens too (their wall time less the server's): the server's
+    time must hold all it did for the open (the chat template with tools, a ``tool_choice`` grammar, the
+    prefill), or a first open's grammar build reads as a slow link and the faster opens after it as none."""
+    import httpx
+
+    srv, _ = setup
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}}}]
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        reply = c.post("/v1/spec/sessions", json={"messages": MESSAGES, "tools": tools, "tool_choice": "required",
+                                                  "max_new_tokens": 8})
+    info = reply.json()
+    assert reply.status_code == 200 and info["constrained"], info
+    assert info["server_ms"] > info["prefill_ms"] > 0
