@@ -29,8 +29,9 @@ class PackedLinear(torch.nn.Module):
     Stock ``F.linear`` on CPU (MKL) re-packs the weight on every call with more than one input row, so
     on a 2-core AVX2 machine a 2-token forward of Qwen2.5-0.5B costs ~2x a 1-token one; with the weight
     packed once it costs ~1.05-1.2x (``benchmarks/results/cpu_linear.md``): exactly the multi-token verify
-    pass speculation lives on. The fp32 kernel is also batch-invariant: a row's result does not depend on
-    how many rows share the call (MKL's 1-row path rounds differently from its many-row path).
+    pass speculation lives on. From two rows up (2-17 measured) a row's result does not depend on how many
+    rows share the call; a one-row call may round differently (oneDNN's one-row kernel: on a Zen 4 core
+    every fp32 linear of the 1.5B and its bf16 LM head and gate, ``benchmarks/results/row_bits.json``).
 
     bf16/fp16 weights on a CPU without native oneDNN kernels for them (AVX2: torch then emulates bf16
     matmuls, ~linear in the row count) are packed as their exact fp32 upcast: several rows run
